@@ -1,0 +1,46 @@
+"""Lazy loading of levels 4 and 5, so that ``import levels`` stays light and the error says what to do."""
+
+from __future__ import annotations
+
+import importlib
+
+from .spec import LevelUnavailableError
+
+
+def triton_backend():
+    """``triton_kernels``: importing it registers the ``torch.ops.triton_kernels`` ops."""
+    try:
+        return importlib.import_module("triton_kernels")
+    except ImportError as error:
+        raise LevelUnavailableError(
+            "level 4 needs Triton (Linux: `pip install triton`; it ships with CUDA builds of PyTorch). "
+            f"Import failed: {error}"
+        ) from error
+
+
+def cuda_backend():
+    """``cuda_kernels``: importing it builds (first time only) and loads the extension's ops."""
+    return importlib.import_module("cuda_kernels")
+
+
+# The legacy fuser's deprecation notice, exactly as PyTorch words it. Level 2 exists to teach that
+# fuser, so we silence this one warning (and nothing else) where we script.
+TORCHSCRIPT_DEPRECATION = r"`torch\.jit\.script` is deprecated\. Please switch to `torch\.compile` or `torch\.export`\."
+
+
+def torchscript(function):
+    """``torch.jit.script(function)`` with exactly the deprecation warning filtered (see above)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=DeprecationWarning)
+        return torch.jit.script(function)
+
+
+def inductor(function):
+    """``torch.compile(function)`` with the default (Inductor) backend; compiled lazily on first call."""
+    import torch
+
+    return torch.compile(function)
