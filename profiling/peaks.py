@@ -1,0 +1,32 @@
+"""The device's own ceilings, measured once per process: what "percent of peak" is a percent of.
+
+Datasheet numbers are leads, not ceilings: a real device-to-device copy on an H100 reaches about
+3 TB/s of its 3.35 TB/s HBM3 figure. A memory-bound kernel is judged against what a copy achieves
+on the same device in the same run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .timing import time_runs
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large tensor copy (bytes read + bytes written) on ``device``."""
+    device = torch.device(device)
+    # Large enough to spill every cache level (H100 L2 is 50 MB), small enough for a laptop.
+    elements = (256 << 20) // 4 if device.type == "cuda" else (64 << 20) // 4
+    source = torch.rand(elements, device=device)
+    destination = torch.empty_like(source)
+    timing = time_runs(lambda: destination.copy_(source), device, budget_s=0.5)
+    return 2 * source.numel() * source.element_size() / timing.median_s
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"

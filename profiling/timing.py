@@ -1,0 +1,75 @@
+"""Timing that a GPU cannot fool: warm up, synchronise, time many runs, report the median and spread.
+
+GPU work is asynchronous: a Python clock around a kernel launch measures the launch, not the kernel.
+On CUDA we record events on the stream around each run; on the CPU a monotonic clock is enough.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per run: the median, and the 10th and 90th percentiles as the spread."""
+
+    median_s: float
+    p10_s: float
+    p90_s: float
+    runs: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(function: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call, synchronised: what a first call (with its compile or build) costs."""
+    synchronize(device)
+    start = time.perf_counter()
+    function()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_runs(function: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,
+              min_runs: int = 5, max_runs: int = 200, warmup_runs: int = 3) -> Timing:
+    """Time ``function`` repeatedly within about ``budget_s`` seconds and summarise.
+
+    The number of runs adapts to the cost of one run, so a microsecond kernel gets hundreds of
+    samples and a slow interpreted one gets ``min_runs``.
+    """
+    for _ in range(warmup_runs):
+        function()
+    estimate = max(time_once(function, device), 1e-7)
+    runs = int(min(max_runs, max(min_runs, budget_s / estimate)))
+    samples = _cuda_event_samples(function, device, runs) if device.type == "cuda" else _clock_samples(function, runs)
+    deciles = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+    return Timing(statistics.median(samples), deciles[0], deciles[-1], len(samples))
+
+
+def _clock_samples(function, runs):
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _cuda_event_samples(function, device, runs):
+    stream = torch.cuda.current_stream(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for start, end in zip(starts, ends):
+        start.record(stream)
+        function()
+        end.record(stream)
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends)]

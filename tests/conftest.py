@@ -1,0 +1,68 @@
+"""Shared fixtures: which devices and dtypes each level runs here, and the cases of the grid."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import levels
+from levels.spec import LEVEL_DTYPES
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ("cpu", "cuda") if HAS_CUDA else ("cpu",)
+
+# The shapes of the equivalence grid: odd sizes that are multiples of no block size, a row of one
+# element, a multi-dim normalized_shape, and a row long enough that levels 4 and 5 loop over it.
+COMPONENT_CASES = {
+    "swish": [
+        ({"beta": 1.0}, (3, 7, 1000)),
+        ({"beta": 1.7}, (4099,)),
+        ({"beta": 0.5}, (1,)),
+    ],
+    "layer_norm": [
+        ({"normalized_shape": 1000}, (3, 7, 1000)),
+        ({"normalized_shape": (7, 33)}, (2, 7, 33)),
+        ({"normalized_shape": 1}, (5, 1)),
+        ({"normalized_shape": 70001, "eps": 1e-6}, (2, 70001)),
+    ],
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+def device_dtype_params(level: str):
+    """(device, dtype) pairs ``level`` supports on the devices present, GPU ones marked ``gpu``."""
+    params = []
+    for device in ("cpu", "cuda"):
+        for dtype in LEVEL_DTYPES[level][device]:
+            marks = [pytest.mark.gpu] if device == "cuda" else []
+            params.append(pytest.param(device, dtype, id=f"{device}-{str(dtype).removeprefix('torch.')}", marks=marks))
+    return params
+
+
+def grid_params():
+    """Every component case × level × (device, dtype) the level supports."""
+    params = []
+    for component, cases in COMPONENT_CASES.items():
+        for case_index, (config, shape) in enumerate(cases):
+            for level in levels.LEVELS:
+                for device_dtype in device_dtype_params(level):
+                    device, dtype = device_dtype.values
+                    params.append(pytest.param(
+                        component, config, shape, level, device, dtype,
+                        id=f"{component}{case_index}-{level}-{device_dtype.id}", marks=device_dtype.marks,
+                    ))
+    return params
+
+
+@pytest.fixture(autouse=True)
+def seeded(request):
+    """A fixed seed per test, so a failure reproduces; the data is random, never zeros or ones."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,25 @@
+"""What several test files do the same way: build a level and its float64 reference, run them."""
+
+from __future__ import annotations
+
+import torch
+
+import levels
+from profiling import perturb_parameters_
+
+
+def build_pair(component, level, config, device, dtype):
+    """``level`` of ``component`` with perturbed weights, and the float64 level-1 run of the same weights."""
+    module = levels.build(component, level, **config)
+    perturb_parameters_(module, seed=1)
+    module.to(device=device, dtype=dtype)
+    return module, levels.float64_reference(module)
+
+
+def forward_and_gradients(module, inputs, grad_output):
+    """The output and the gradients of every input and parameter, for ``grad_output`` flowing back."""
+    inputs = tuple(x.detach().requires_grad_(True) for x in inputs)
+    output = module(*inputs)
+    output.backward(grad_output.to(output.dtype))
+    gradients = [x.grad for x in inputs] + [p.grad for p in module.parameters()]
+    return output, gradients

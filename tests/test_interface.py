@@ -1,0 +1,80 @@
+"""The common interface: names, numbers, one parameter layout, lazy loading of levels 4 and 5."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import levels
+from levels.backends import TORCHSCRIPT_DEPRECATION, torchscript
+
+
+def test_importing_levels_loads_neither_triton_nor_the_extension():
+    code = "import sys, levels; levels.build('swish', 1); print(sorted(m for m in ('triton', 'triton_kernels', 'cuda_kernels') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("component", levels.COMPONENTS)
+def test_levels_are_addressable_by_name_and_number(component):
+    for number, name in enumerate(levels.LEVELS, start=1):
+        assert levels.level_class(component, number) is levels.level_class(component, name)
+        assert levels.level_class(component, str(number)).level == name
+
+
+def test_unknown_levels_and_components_are_rejected_with_the_choices():
+    with pytest.raises(ValueError, match="1-5"):
+        levels.build("swish", 6)
+    with pytest.raises(ValueError, match="native"):
+        levels.build("swish", "fastest")
+    with pytest.raises(ValueError, match="layer_norm"):
+        levels.build("rms_norm", 1)
+
+
+@pytest.mark.parametrize("component,config", [("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": (4, 6)})])
+def test_every_level_shares_one_parameter_layout(component, config):
+    modules = [levels.build(component, level, **config) for level in levels.LEVELS]
+    source = modules[0]
+    for parameter in source.parameters():
+        torch.nn.init.normal_(parameter)
+    for module in modules[1:]:
+        module.load_state_dict(source.state_dict())  # strict: same keys, same shapes
+        assert module.config == source.config
+        for mine, theirs in zip(module.parameters(), source.parameters()):
+            assert torch.equal(mine, theirs)
+
+
+def test_layer_norm_rejects_non_positive_normalized_shape():
+    with pytest.raises(ValueError, match="normalized_shape"):
+        levels.build("layer_norm", 1, normalized_shape=(4, 0))
+
+
+def test_torchscript_level_silences_exactly_its_deprecation_warning():
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scripted = torchscript(double)
+        warnings.warn("an unrelated deprecation", DeprecationWarning)
+    assert torch.equal(scripted(torch.ones(2)), torch.full((2,), 2.0))
+    messages = [str(w.message) for w in caught]
+    assert messages == ["an unrelated deprecation"]
+
+
+def test_torchscript_filter_matches_pytorchs_own_wording():
+    import re
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.script(lambda_free_function)
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    if not deprecations:
+        pytest.skip(f"torch {torch.__version__} does not deprecate torch.jit.script")
+    assert any(re.fullmatch(TORCHSCRIPT_DEPRECATION, message) for message in deprecations)
+
+
+def lambda_free_function(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
