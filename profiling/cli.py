@@ -56,13 +56,13 @@ def main(argv=None) -> int:
         print(format_table(table), end="\n\n", flush=True)
         tables.append(table)
     if arguments.csv:
-        pd.concat([_with_setup(table) for table in tables]).to_csv(arguments.csv, index=False)
+        pd.concat([with_setup_columns(table) for table in tables]).to_csv(arguments.csv, index=False)
     if arguments.plot:
         save_plots(tables, arguments.plot)
     return 0
 
 
-def _with_setup(table: pd.DataFrame) -> pd.DataFrame:
+def with_setup_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The table with its attrs (component, shape, dtype, device, pass) as leading columns."""
     setup = {key: str(value) for key, value in table.attrs.items()}
     return table.assign(**setup)[list(setup) + list(table.columns)]

@@ -37,10 +37,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def level_devices(level: str) -> tuple[str, ...]:
+    """Devices whose cases ``level`` gets: GPU cases are always listed (and skipped without CUDA), but
+    Triton runs CPU tensors only through its interpreter, which is switched on only when no GPU is present."""
+    if level == "triton" and HAS_CUDA:
+        return ("cuda",)
+    return ("cpu", "cuda")
+
+
+def device_param(device: str, *values, id_prefix: str = ""):
+    marks = [pytest.mark.gpu] if device == "cuda" else []
+    return pytest.param(*values, device, id=f"{id_prefix}{device}", marks=marks)
+
+
+def kernel_level_device_params():
+    """(level, device) for levels 4 and 5 on every device they run on here."""
+    return [device_param(device, level, id_prefix=f"{level}-") for level in ("triton", "cuda") for device in level_devices(level)]
+
+
 def device_dtype_params(level: str):
     """(device, dtype) pairs ``level`` supports on the devices present, GPU ones marked ``gpu``."""
     params = []
-    for device in ("cpu", "cuda"):
+    for device in level_devices(level):
         for dtype in LEVEL_DTYPES[level][device]:
             marks = [pytest.mark.gpu] if device == "cuda" else []
             params.append(pytest.param(device, dtype, id=f"{device}-{str(dtype).removeprefix('torch.')}", marks=marks))

@@ -7,6 +7,7 @@ import torch
 import levels
 from levels import TOLERANCE, relative_max_error
 
+from .conftest import kernel_level_device_params
 from .helpers import build_pair, forward_and_gradients
 
 ALL_LEVELS = levels.LEVELS
@@ -67,13 +68,13 @@ def test_input_and_parameters_of_different_dtypes(level):
     ("layer_norm", {"normalized_shape": 16}, (0, 16)),
     ("layer_norm", {"normalized_shape": 16}, (3, 0, 16)),
 ])
-@pytest.mark.parametrize("level", KERNEL_LEVELS)
-def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, component, config, shape):
-    module = levels.build(component, level, **config)
-    x = torch.randn(shape, requires_grad=True)
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, device, component, config, shape):
+    module = levels.build(component, level, **config).to(device)
+    x = torch.randn(shape, device=device, requires_grad=True)
     output = module(x)
     assert output.shape == shape
-    output.backward(torch.randn(shape))
+    output.backward(torch.randn(shape, device=device))
     assert x.grad.shape == shape
     for parameter in module.parameters():
         assert torch.equal(parameter.grad, torch.zeros_like(parameter))
@@ -83,13 +84,13 @@ def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, co
     ("swish", {"beta": 1.2}, (40, 30)),
     ("layer_norm", {"normalized_shape": 40}, (30, 40)),
 ])
-@pytest.mark.parametrize("level", KERNEL_LEVELS)
-def test_non_contiguous_input_gets_the_right_answer(level, component, config, shape):
-    module, reference = build_pair(component, level, config, "cpu", torch.float32)
-    (x,) = module.example_inputs(shape[::-1], torch.float32, "cpu")
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_non_contiguous_input_gets_the_right_answer(level, device, component, config, shape):
+    module, reference = build_pair(component, level, config, device, torch.float32)
+    (x,) = module.example_inputs(shape[::-1], torch.float32, device)
     x = x.transpose(0, 1)  # a strided view, as a transposed activation would be
     assert not x.is_contiguous()
-    grad_output = torch.randn(shape, dtype=torch.float64)
+    grad_output = torch.randn(shape, dtype=torch.float64, device=device)
     output, gradients = forward_and_gradients(module, [x], grad_output)
     expected, expected_gradients = forward_and_gradients(reference, [x.double()], grad_output)
     for actual, wanted in zip([output, *gradients], [expected, *expected_gradients]):

@@ -8,18 +8,12 @@ from torch.func import functional_call
 import levels
 from levels.backends import cuda_backend, triton_backend
 
-from .conftest import DEVICES
+from .conftest import kernel_level_device_params
 
-KERNEL_LEVELS = ("triton", "cuda")
 NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kernels", cuda_backend)}
 
 
-def device_params():
-    return [pytest.param(d, marks=[pytest.mark.gpu] if d == "cuda" else []) for d in ("cpu", "cuda")]
-
-
-@pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("level", KERNEL_LEVELS)
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("component,config,shape", [
     ("swish", {"beta": 1.3}, (3, 5)),
     ("layer_norm", {"normalized_shape": 9}, (4, 9)),
@@ -55,8 +49,7 @@ def op_samples(device, dtype):
     ]
 
 
-@pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("level", KERNEL_LEVELS)
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_every_op_passes_opcheck(level, device):
     namespace, load = NAMESPACES[level]
     load()
