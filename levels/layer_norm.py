@@ -91,7 +91,7 @@ class LayerNormSpec(ComponentSpec):
         per_element = 7 + (12 if backward else 0)
         return per_element * element_count(shape)
 
-    def reference_modules(self) -> dict[str, nn.Module]:
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
         return {"F.layer_norm (PyTorch fused)": _PyTorchFusedLayerNorm(self)}
 
 

@@ -166,8 +166,8 @@ class ComponentSpec(nn.Module):
     def flops(self, shape: Sequence[int], backward: bool = False) -> int:
         raise NotImplementedError
 
-    def reference_modules(self) -> dict[str, nn.Module]:
-        """PyTorch's own fused kernels for this function, shown beside the levels in comparisons."""
+    def reference_modules(self, device: torch.device | None = None) -> dict[str, nn.Module]:
+        """PyTorch's own fused kernels for this function on ``device``, shown beside the levels in comparisons."""
         return {}
 
     def extra_repr(self) -> str:

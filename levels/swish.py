@@ -58,7 +58,7 @@ class SwishSpec(ComponentSpec):
         per_element = 5 + (11 if backward else 0)
         return per_element * element_count(shape)
 
-    def reference_modules(self) -> dict[str, nn.Module]:
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
         # F.silu is PyTorch's fused kernel for β = 1; there is no built-in for other β.
         return {"F.silu (PyTorch fused)": nn.SiLU()} if self.beta == 1.0 else {}
 

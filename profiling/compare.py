@@ -84,7 +84,7 @@ def compare_optimization_levels(
     """
     dtype, device = default_device_and_dtype(dtype, device)
     input_shape = tuple(int(s) for s in input_shape)
-    candidates, spec = _candidates(component_or_modules, input_shape, levels, config, references)
+    candidates, spec = _candidates(component_or_modules, input_shape, levels, config, references, device)
     for module in candidates.values():
         module.to(device=device, dtype=dtype)
 
@@ -131,7 +131,7 @@ def compare_optimization_levels(
     return table
 
 
-def _candidates(component_or_modules, input_shape, chosen_levels, config, references):
+def _candidates(component_or_modules, input_shape, chosen_levels, config, references, device):
     """The modules to compare, in order, and the spec that owns the cost model (if any)."""
     if isinstance(component_or_modules, str):
         component = component_or_modules
@@ -145,7 +145,7 @@ def _candidates(component_or_modules, input_shape, chosen_levels, config, refere
             module.load_state_dict(native.state_dict())
             candidates[LEVEL_TITLES[name]] = module
         if references:
-            candidates.update(native.reference_modules())
+            candidates.update(native.reference_modules(device))
         return candidates, native
     if isinstance(component_or_modules, nn.Module):
         component_or_modules = {type(component_or_modules).__name__: component_or_modules}
