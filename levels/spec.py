@@ -125,6 +125,7 @@ class ComponentSpec(nn.Module):
 
     component: ClassVar[str] = ""
     level: ClassVar[str] = ""
+    compute_bound: ClassVar[bool] = False  # judged against matrix throughput, not only copy bandwidth
 
     def __init__(self, **config):
         super().__init__()

@@ -32,12 +32,12 @@ from levels.spec import (
     resolve_level,
 )
 
-from .peaks import copy_bandwidth
+from .peaks import copy_bandwidth, matmul_throughput
 from .timing import synchronize, time_once, time_runs
 
 COLUMNS = [
     "level", "kind", "median_ms", "p10_ms", "p90_ms", "runs", "speedup_vs_level_1", "GB/s", "TFLOP/s",
-    "pct_copy_bandwidth", "max_error", "within_tolerance", "peak_memory_MB", "kernels", "first_call_s", "status",
+    "pct_copy_bandwidth", "pct_matmul_peak", "max_error", "within_tolerance", "peak_memory_MB", "kernels", "first_call_s", "status",
 ]
 
 
@@ -105,6 +105,9 @@ def compare_optimization_levels(
 
     bandwidth = copy_bandwidth(str(device))
     cost_model = spec or next((m for m in candidates.values() if isinstance(m, ComponentSpec)), None)
+    # Only compute-bound components (matmul-heavy, like attention) are judged against the matrix
+    # units; elementwise and reduction work is judged against copy bandwidth alone.
+    matmul_peak = matmul_throughput(str(device), dtype) if getattr(cost_model, "compute_bound", False) else None
     bytes_moved = cost_model.bytes_moved(input_shape, dtype, backward) if cost_model else math.nan
     flops = cost_model.flops(input_shape, backward) if cost_model else math.nan
 
@@ -119,6 +122,7 @@ def compare_optimization_levels(
             row["GB/s"] = bytes_moved / seconds / 1e9
             row["TFLOP/s"] = flops / seconds / 1e12
             row["pct_copy_bandwidth"] = 100 * bytes_moved / seconds / bandwidth
+            row["pct_matmul_peak"] = 100 * flops / seconds / matmul_peak if matmul_peak else math.nan
         rows.append(row)
 
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
@@ -127,6 +131,7 @@ def compare_optimization_levels(
     table.attrs.update(
         component=getattr(cost_model, "component", None), input_shape=input_shape, dtype=str(dtype).removeprefix("torch."),
         device=str(device), backward=backward, copy_bandwidth_GBps=bandwidth / 1e9,
+        matmul_TFLOPs=matmul_peak / 1e12 if matmul_peak else math.nan,
     )
     return table
 

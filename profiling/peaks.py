@@ -26,6 +26,19 @@ def copy_bandwidth(device: str) -> float:
     return 2 * source.numel() * source.element_size() / timing.median_s
 
 
+@functools.lru_cache(maxsize=None)
+def matmul_throughput(device: str, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matrix product in ``dtype`` on ``device`` (the vendor library's best):
+    the ceiling of compute-bound work such as attention."""
+    device = torch.device(device)
+    size = 8192 if device.type == "cuda" else 1024
+    # Random data, not zeros: tensor cores draw less power on zeros and run measurably faster.
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    timing = time_runs(lambda: a @ b, device, budget_s=0.5)
+    return 2 * size**3 / timing.median_s
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

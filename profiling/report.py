@@ -39,6 +39,7 @@ DISPLAY_COLUMNS = {
     "GB/s": "GB/s",
     "TFLOP/s": "TFLOP/s",
     "pct_copy_bandwidth": "% copy BW",
+    "pct_matmul_peak": "% matmul peak",
     "max_error": "rel. error",
     "peak_memory_MB": "peak MB",
     "kernels": "kernels",
