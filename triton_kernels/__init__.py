@@ -1,0 +1,48 @@
+"""Level 4: hand-written Triton kernels, forward and backward, registered as ``torch.ops.triton_kernels``.
+
+    swish(x, beta)                       -> y                      (triton_kernels/swish.py)
+    layer_norm(x2d, weight, bias, eps)   -> y                      (triton_kernels/layer_norm.py)
+
+Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
+``layer_norm_forward`` and ``layer_norm_backward``, each with a fake (shape-only) implementation for
+torch.compile and an autograd formula. On a machine without a GPU the same kernels run through
+Triton's interpreter, on CPU tensors: correct, and slow.
+
+Two doors to the same launchers. Under torch.compile, ``swish`` and ``layer_norm`` call the
+registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
+through a plain ``torch.autograd.Function`` instead: a custom-op call crosses the dispatcher twice
+and runs its Python wrappers, about 200 µs of host time per forward + backward step (measured,
+against under 100 µs for the Function), which is longer than a bfloat16 8192 × 8192 LayerNorm
+step keeps the GPU busy. Both doors run the same checks and the same kernels.
+"""
+
+import os
+import sys
+
+import torch
+
+# --- where the kernels run: the GPU, or Triton's CPU interpreter ------------------------------------
+# Each @triton.jit decorator decides, when it runs, whether its function is compiled for a GPU or
+# interpreted on NumPy. So the switch must be thrown here, before the kernel modules below are
+# imported. Triton (>= 3.4) reads TRITON_INTERPRET lazily; setting the knob as well overrides a value
+# someone set in code. Triton's own helpers (tl.sum, tl.sigmoid, tl.zeros, ...) are @triton.jit
+# functions too: if Triton was imported before the switch (torch.compile imports it), they were made
+# for the compiler and the interpreter cannot call them, so we run triton.language's definitions again.
+if not torch.cuda.is_available():
+    triton_was_imported = "triton.language" in sys.modules
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    triton.knobs.runtime.interpret = True
+    if triton_was_imported:
+        import importlib
+
+        importlib.reload(triton.language.standard)
+        importlib.reload(triton.language)
+    print("triton_kernels: no CUDA GPU found, so Triton's interpreter runs the level-4 kernels on the CPU "
+          "(correct, but slowly)", file=sys.stderr)
+
+from .layer_norm import layer_norm  # noqa: E402  (after the switch above, on purpose)
+from .swish import swish  # noqa: E402
+
+__all__ = ["layer_norm", "swish"]

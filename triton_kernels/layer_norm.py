@@ -1,0 +1,369 @@
+"""LayerNorm in Triton: forward and backward over the rows of a (rows, N) matrix, as ``triton_kernels`` ops.
+
+What it computes
+    forward    mean = Σx/N,  rstd = 1/sqrt(Σ(x−mean)²/N + eps)   ("rstd": reciprocal standard deviation)
+               y = (x − mean)·rstd·w + b;  mean and rstd are saved for the backward
+    backward   x̂ = (x − mean)·rstd,  g = dy·w
+               dx = rstd·(g − x̂·mean(x̂·g) − mean(g))              a reduction along each row
+               dw = Σ_rows dy·x̂,  db = Σ_rows dy                 reductions *across* rows
+
+Kernels, in the order they run
+    ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
+                                        two reductions, write once
+    ``_layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
+                                        (Chan's formula), pass 2 normalises; the row is read twice
+    ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db
+    ``_layer_norm_bwd_looped_kernel``   the same for long rows, two passes over each row
+    ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
+
+The one idea that makes it fast
+    Every element crosses DRAM the fewest times the math allows: the forward reads x and writes y
+    once; the backward reads x and dy once and writes dx once. The cross-row sums dw and db are the
+    hard part: a persistent backward launches about one program per SM; each walks a strided set of
+    rows, keeps its running dw, db in registers, then writes them as one row of a small
+    (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns.
+
+Limits
+    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, never rejected; such rows use
+    one program each, so few long rows leave most SMs idle. The backward's partial buffers have at most
+    min(rows, a few × SMs) rows of N float32 values. float16, bfloat16, float32, float64 on the GPU
+    (statistics and sums in float32, float64 for float64); float32 and float64 under the interpreter.
+
+Check
+    python -m pytest tests -k "layer_norm and triton"
+    python -m profiling --component layer_norm --shape 8192 8192 --backward
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    check_contiguous,
+    check_inputs,
+    column_reduction_launch,
+    compute_dtype,
+    on_device,
+    persistent_program_count,
+    require,
+    row_tile,
+    split_float,
+)
+
+BACKWARD_WARPS_PER_SM = 8
+"""How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
+running dw, db in registers: ~220 a thread at N = 8192 with 8 warps, so one program fills most of an
+SM's 64K-register file. More programs would only queue, and each adds a row to the partial buffers.
+(On an H100 at 8192 × 8192, one program per SM beat two and four.)"""
+
+# --- input checks (launchers and fake implementations) ----------------------------------------------
+
+
+def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row: dict | None = None,
+                             like_x: dict | None = None):
+    """x is a (rows, N) matrix; ``per_column`` tensors are N-vectors of x's dtype, ``per_row`` ones are
+    rows-vectors of the statistics dtype, ``like_x`` ones match x. All contiguous."""
+    require(x.dim() == 2, lambda: f"{op}: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    rows, n = x.shape
+    require(n >= 1, lambda: f"{op}: rows of 0 elements have no mean (x has shape {tuple(x.shape)})")
+    per_row, like_x = per_row or {}, like_x or {}
+    expected = [(per_column, (n,), x.dtype), (per_row, (rows,), accumulator_dtype(x.dtype)), (like_x, x.shape, x.dtype)]
+    for tensors, shape, dtype in expected:
+        for name, tensor in tensors.items():
+            require(tensor.shape == shape and tensor.dtype == dtype,
+                    lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
+    check_contiguous(op, x, *per_column.values(), *per_row.values(), *like_x.values())
+
+
+# --- forward -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
+                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    # x is read once: streaming it past L2 (evict_first) keeps w and b, which every program reads, cached.
+    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+    w = tl.load(W + cols, mask=col_mask).to(COMPUTE)
+    b = tl.load(B + cols, mask=col_mask).to(COMPUTE)
+    eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
+    # mean, then the variance of the centred values: two reductions over registers, no second read
+    mean = tl.sum(x, axis=1) / N
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
+                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0)
+    X += row.to(tl.int64) * N
+    Y += row.to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    # pass 1: statistics. Each block's count, mean and sum of squared deviations (m2) are exact in
+    # registers; Chan's formula merges them into the running ones without the cancellation of Σx².
+    count = tl.zeros((), COMPUTE)
+    mean = tl.zeros((), COMPUTE)
+    m2 = tl.zeros((), COMPUTE)
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
+        x = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+        block_count = tl.cast(tl.minimum(N - start, BLOCK_N), COMPUTE)
+        block_mean = tl.sum(x, axis=0) / block_count
+        deviation = tl.where(mask, x - block_mean, 0.0)
+        block_m2 = tl.sum(deviation * deviation, axis=0)
+        total = count + block_count
+        delta = block_mean - mean
+        mean += delta * (block_count / total)
+        m2 += block_m2 + delta * delta * (count * block_count / total)
+        count = total
+    rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+    # pass 2: normalise, scale and shift
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        x = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        w = tl.load(W + start + cols, mask=mask).to(COMPUTE)
+        b = tl.load(B + start + cols, mask=mask).to(COMPUTE)
+        y = (x - mean) * rstd * w + b
+        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+
+
+def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+    _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
+    check_inputs("layer_norm_forward", x, weight, bias)
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    mean = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device)
+    rstd = torch.empty_like(mean)
+    if rows == 0:
+        return out, mean, rstd
+    tile = row_tile(n)
+    with on_device(x):
+        if tile.looped:
+            _layer_norm_fwd_looped_kernel[(rows,)](x, out, weight, bias, mean, rstd, n, *split_float(eps),
+                                                   BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
+                                                   num_warps=tile.num_warps)
+        else:
+            _layer_norm_fwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
+                x, out, weight, bias, mean, rstd, rows, n, *split_float(eps), BLOCK_N=tile.block_n,
+                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+    return out, mean, rstd
+
+
+# --- backward ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
+                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    # This program's running dw and db live in registers across all of its rows.
+    dw = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
+    db = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
+    for tile in range(program, tl.cdiv(n_rows, ROWS_PER_TILE), tl.num_programs(0)):
+        rows = tile * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        mean_x_hat_g = tl.sum(x_hat * g, axis=1) / N
+        mean_g = tl.sum(g, axis=1) / N
+        dx = (g - (x_hat * mean_x_hat_g[:, None] + mean_g[:, None])) * rstd[:, None]
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        dw += dy * x_hat
+        db += dy
+    # One row of the partial buffers per program: small enough to stay in L2 for the column reduction.
+    partial = program.to(tl.int64) * N + cols
+    tl.store(PartialDW + partial, tl.sum(dw, axis=0), mask=col_mask)
+    tl.store(PartialDB + partial, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
+                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    partial = program.to(tl.int64) * N
+    for row in range(program, n_rows, tl.num_programs(0)):
+        offset = tl.cast(row, tl.int64) * N  # (the interpreter hands loop indices over as Python ints)
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        # pass 1: the two row sums that dx needs
+        sum_x_hat_g = tl.zeros((BLOCK_N,), COMPUTE)
+        sum_g = tl.zeros((BLOCK_N,), COMPUTE)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            g = dy * w
+            sum_x_hat_g += tl.where(mask, (x - mean) * rstd, 0.0) * g
+            sum_g += g
+        mean_x_hat_g = tl.sum(sum_x_hat_g, axis=0) / N
+        mean_g = tl.sum(sum_g, axis=0) / N
+        # pass 2: dx, and this row's dw, db added to the program's partial row, which stays in memory
+        # (L2 when it fits): a long row does not fit in registers.
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            x_hat = (x - mean) * rstd
+            dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
+            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+            dw = tl.load(PartialDW + partial + start + cols, mask=mask)
+            db = tl.load(PartialDB + partial + start + cols, mask=mask)
+            tl.store(PartialDW + partial + start + cols, dw + dy * x_hat, mask=mask)
+            tl.store(PartialDB + partial + start + cols, db + dy, mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_dwdb_kernel(PartialDW, PartialDB, DW, DB, n_partials, N,
+                                BLOCK_PARTIALS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < N
+    dw = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDW.dtype.element_ty)
+    db = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDB.dtype.element_ty)
+    for start in range(0, n_partials, BLOCK_PARTIALS):
+        partials = start + tl.arange(0, BLOCK_PARTIALS)
+        mask = (partials < n_partials)[:, None] & col_mask[None, :]
+        offsets = partials.to(tl.int64)[:, None] * N + cols[None, :]
+        dw += tl.load(PartialDW + offsets, mask=mask, other=0.0)
+        db += tl.load(PartialDB + offsets, mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                          rstd: torch.Tensor):
+    _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
+                             per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
+    check_inputs("layer_norm_backward", grad_out, x, weight, mean, rstd)
+    rows, n = x.shape
+    grad_x = torch.empty_like(x)
+    if rows == 0:
+        return grad_x, torch.zeros_like(weight), torch.zeros_like(weight)
+    tile = row_tile(n)
+    programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
+    programs = persistent_program_count(x, cdiv(rows, tile.rows_per_tile), programs_per_sm)
+    # Programs of the row-in-registers kernel write their partial rows once; the looped kernel adds
+    # every row into its partial row, so there the buffers start at zero.
+    allocate = torch.zeros if tile.looped else torch.empty
+    partial_dw = allocate(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
+    partial_db = allocate(programs, n, dtype=partial_dw.dtype, device=x.device)
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.empty_like(weight)
+    reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
+        n, programs, persistent_program_count(x, n, 2))
+    with on_device(x):
+        if tile.looped:
+            _layer_norm_bwd_looped_kernel[(programs,)](
+                grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n,
+                BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+        else:
+            _layer_norm_bwd_kernel[(programs,)](
+                grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n, BLOCK_N=tile.block_n,
+                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+        _layer_norm_bwd_dwdb_kernel[(reduction_programs,)](
+            partial_dw, partial_db, grad_weight, grad_bias, programs, n,
+            BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, num_warps=4)
+    return grad_x, grad_weight, grad_bias
+
+
+# --- registration: op, fake (shape-only), autograd ------------------------------------------------------
+
+
+@torch.library.custom_op("triton_kernels::layer_norm_forward", mutates_args=())
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_layer_norm_fwd(x, weight, bias, eps)
+
+
+@layer_norm_forward.register_fake
+def _layer_norm_forward_fake(x, weight, bias, eps):
+    _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
+    mean = x.new_empty(x.shape[0], dtype=accumulator_dtype(x.dtype))
+    return torch.empty_like(x), mean, torch.empty_like(mean)
+
+
+def _layer_norm_forward_setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)  # the bias does not enter any gradient
+
+
+def _layer_norm_forward_backward(ctx, grad_out, grad_mean, grad_rstd):
+    # mean and rstd are returned only to be saved for this backward: gradients flowing into them are ignored.
+    needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
+    if not (needs_x or needs_weight or needs_bias):
+        return None, None, None, None
+    x, weight, mean, rstd = ctx.saved_tensors
+    # Autograd may hand us a broadcast (stride-0) gradient, e.g. from y.sum().backward().
+    grad_x, grad_weight, grad_bias = layer_norm_backward(grad_out.contiguous(), x, weight, mean, rstd)
+    return (grad_x if needs_x else None, grad_weight if needs_weight else None,
+            grad_bias if needs_bias else None, None)
+
+
+layer_norm_forward.register_autograd(_layer_norm_forward_backward, setup_context=_layer_norm_forward_setup_context)
+
+
+@torch.library.custom_op("triton_kernels::layer_norm_backward", mutates_args=())
+def layer_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_layer_norm_bwd(grad_out, x, weight, mean, rstd)
+
+
+@layer_norm_backward.register_fake
+def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
+    _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
+                             per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+
+
+# --- what the levels call ------------------------------------------------------------------------------
+
+
+class _LayerNormEager(torch.autograd.Function):
+    """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        out, mean, rstd = launch_layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd(grad_out.contiguous(), *ctx.saved_tensors)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm of each row of the (rows, N) matrix ``x`` by our kernels, differentiable; returns only
+    the output (mean and rstd stay saved for the backward). torch.compile sees the registered op."""
+    if torch.compiler.is_compiling():
+        return layer_norm_forward(x, weight, bias, float(eps))[0]
+    return _LayerNormEager.apply(x, weight, bias, float(eps))
