@@ -10,10 +10,12 @@ Triton's interpreter, on CPU tensors: correct, and slow.
 
 Two doors to the same launchers. Under torch.compile, ``swish`` and ``layer_norm`` call the
 registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
-through a plain ``torch.autograd.Function`` instead: a custom-op call crosses the dispatcher twice
-and runs its Python wrappers, about 200 µs of host time per forward + backward step (measured,
-against under 100 µs for the Function), which is longer than a bfloat16 8192 × 8192 LayerNorm
-step keeps the GPU busy. Both doors run the same checks and the same kernels.
+through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
+launcher): a custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and
+at 8192 × 8192 in bfloat16 the GPU finishes these kernels before the host has launched the next
+ones. Measured on an H100 machine, Swish forward + backward took 501 µs through the Function and
+624 µs through the ops (torch.compile: 565 µs); the kernels themselves need about 230 µs. Both doors
+run the same checks and the same kernels.
 """
 
 import os

@@ -23,6 +23,16 @@ The one idea that makes it fast
     rows, keeps its running dw, db in registers, then writes them as one row of a small
     (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns.
 
+Launch
+    ``launch.row_tile``: the row rounded up to a power of two is one block; short rows are stacked
+    into tiles of at least 4096 elements; one warp per 1024 elements. The backward launches
+    BACKWARD_WARPS_PER_SM warps' worth of programs per SM (one 8-warp program at N = 8192).
+
+Measured (H100, 8192 × 8192, kernels alone)
+    forward 2.92 TB/s in float32, 2.83 in bfloat16: copy bandwidth (2.94 / 2.86), torch.compile
+    (2.95 / 2.83), 1.6 × PyTorch's F.layer_norm (1.85 / 1.80). Backward dx kernel 2.82 / 2.37 TB/s
+    over its three tensors, plus 10 µs for the dw, db column reduction.
+
 Limits
     Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, never rejected; such rows use
     one program each, so few long rows leave most SMs idle. The backward's partial buffers have at most
@@ -89,8 +99,9 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    # x is read once: streaming it past L2 (evict_first) keeps w and b, which every program reads, cached.
-    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+    # x is read once. (An evict_first hint here, meant to keep w and b in L2, cost 3 % on an H100:
+    # 2.84 against 2.92 TB/s. w and b stay cached anyway.)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     w = tl.load(W + cols, mask=col_mask).to(COMPUTE)
     b = tl.load(B + cols, mask=col_mask).to(COMPUTE)
     eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
@@ -99,7 +110,7 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
     centered = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
     y = centered * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
@@ -135,11 +146,11 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
     # pass 2: normalise, scale and shift
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
-        x = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
         w = tl.load(W + start + cols, mask=mask).to(COMPUTE)
         b = tl.load(B + start + cols, mask=mask).to(COMPUTE)
         y = (x - mean) * rstd * w + b
-        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
@@ -182,8 +193,8 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
         mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -191,7 +202,7 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
         mean_x_hat_g = tl.sum(x_hat * g, axis=1) / N
         mean_g = tl.sum(g, axis=1) / N
         dx = (g - (x_hat * mean_x_hat_g[:, None] + mean_g[:, None])) * rstd[:, None]
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
         db += dy
     # One row of the partial buffers per program: small enough to stay in L2 for the column reduction.
@@ -210,7 +221,7 @@ def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB
         offset = tl.cast(row, tl.int64) * N  # (the interpreter hands loop indices over as Python ints)
         mean = tl.load(Mean + row)
         rstd = tl.load(Rstd + row)
-        # pass 1: the two row sums that dx needs
+        # pass 1: the two row sums that dx needs (evict_last: pass 2 reads x and dy again)
         sum_x_hat_g = tl.zeros((BLOCK_N,), COMPUTE)
         sum_g = tl.zeros((BLOCK_N,), COMPUTE)
         for start in range(0, N, BLOCK_N):
@@ -227,12 +238,12 @@ def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB
         # (L2 when it fits): a long row does not fit in registers.
         for start in range(0, N, BLOCK_N):
             mask = start + cols < N
-            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
-            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+            x = tl.load(X + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
             w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
             x_hat = (x - mean) * rstd
             dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
-            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw = tl.load(PartialDW + partial + start + cols, mask=mask)
             db = tl.load(PartialDB + partial + start + cols, mask=mask)
             tl.store(PartialDW + partial + start + cols, dw + dy * x_hat, mask=mask)
@@ -366,4 +377,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     the output (mean and rstd stay saved for the backward). torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return layer_norm_forward(x, weight, bias, float(eps))[0]
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)):
+        return launch_layer_norm_fwd(x, weight, bias, float(eps))[0]  # no gradient wanted: skip autograd
     return _LayerNormEager.apply(x, weight, bias, float(eps))

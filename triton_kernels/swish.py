@@ -11,6 +11,14 @@ The one idea that makes it fast
     recomputes sigmoid(β·x) instead of saving it: one exp per element is free next to the bytes that
     saving s would cost (a tensor written forward and read back).
 
+Launch
+    ``launch.elementwise_launch``: 1024 elements a program, 4 warps. β travels as two float32 halves
+    (``launch.split_float``) so that float64 inputs keep its precision.
+
+Measured (H100, 8192 × 8192, kernel alone)
+    2.94 TB/s in float32 and 2.84 TB/s in bfloat16: the device's copy bandwidth (2.94 / 2.86) and
+    torch.compile's fused kernel (2.93 / 2.84).
+
 Limits
     Any shape (the tensor is one flat array; the tail block is masked), contiguous input. float16,
     bfloat16, float32 and float64 on the GPU, computed in float32 (float64 for float64); float32 and
@@ -36,8 +44,9 @@ def _swish_fwd_kernel(X, Y, numel, beta_high, beta_low, BLOCK: tl.constexpr, COM
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     beta = tl.cast(beta_high, COMPUTE) + tl.cast(beta_low, COMPUTE)
-    # Every byte is read once: evict_first keeps this stream from pushing anything useful out of L2.
-    x = tl.load(X + offsets, mask=mask, eviction_policy="evict_first").to(COMPUTE)
+    # Plain loads: every byte is read once, and marking the stream evict_first, which sounds right,
+    # cost 1-3 % of bandwidth on an H100 (here and in the LayerNorm forward).
+    x = tl.load(X + offsets, mask=mask).to(COMPUTE)
     y = x * tl.sigmoid(beta * x)
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -47,8 +56,8 @@ def _swish_bwd_kernel(DY, X, DX, numel, beta_high, beta_low, BLOCK: tl.constexpr
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     beta = tl.cast(beta_high, COMPUTE) + tl.cast(beta_low, COMPUTE)
-    x = tl.load(X + offsets, mask=mask, eviction_policy="evict_first").to(COMPUTE)
-    dy = tl.load(DY + offsets, mask=mask, eviction_policy="evict_first").to(COMPUTE)
+    x = tl.load(X + offsets, mask=mask).to(COMPUTE)
+    dy = tl.load(DY + offsets, mask=mask).to(COMPUTE)
     # Recompute s: the exp costs nothing next to reading a saved s from DRAM.
     s = tl.sigmoid(beta * x)
     dx = dy * s * (1.0 + beta * x * (1.0 - s))
@@ -156,4 +165,6 @@ def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
     """y = x · sigmoid(β·x) by our kernels, differentiable. torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return swish_forward(x, float(beta))
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return launch_swish_fwd(x, float(beta))  # no gradient wanted: skip autograd's bookkeeping
     return _SwishEager.apply(x, float(beta))
