@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from .spec import LevelUnavailableError
 
 
+# Cached: levels call these on every forward, and at GPU speeds even an import lookup shows up.
+@functools.cache
 def triton_backend():
     """``triton_kernels``: importing it registers the ``torch.ops.triton_kernels`` ops."""
     try:
@@ -18,6 +21,7 @@ def triton_backend():
         ) from error
 
 
+@functools.cache
 def cuda_backend():
     """``cuda_kernels``: importing it builds (first time only) and loads the extension's ops."""
     return importlib.import_module("cuda_kernels")

@@ -171,11 +171,14 @@ def _measure(module, inputs, grad_output, reference_values, device, dtype, budge
     parameters = list(module.parameters())
 
     def step():
+        if grad_output is None:
+            # A forward-only row is inference: no level pays for autograd's bookkeeping.
+            with torch.no_grad():
+                return module(*inputs)
         for tensor in (*inputs, *parameters):
             tensor.grad = None
         output = module(*inputs)
-        if grad_output is not None:
-            output.backward(grad_output)
+        output.backward(grad_output)
         return output
 
     try:
