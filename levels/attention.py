@@ -1,0 +1,248 @@
+"""Scaled dot-product attention, causal, sliding-window or full, at five levels.
+
+o = softmax(q·kᵀ·scale + mask)·v on (batch, heads, seq, head_dim) tensors. Level 1 materialises the
+seq × seq score matrix: written, masked, softmaxed and read back, so time and memory grow with seq²
+while the useful output grows with seq. Flash attention (levels 4 and 5) tiles q and k/v, keeps a
+tile of scores in registers or shared memory, merges tiles with the online softmax, and saves only
+one log-sum-exp per query for the backward pass, which recomputes the scores instead of storing
+them. With a sliding window, tiles wholly outside the window are never visited, so the work grows
+with seq × window.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backends import cuda_backend, inductor, torchscript, triton_backend
+from .spec import ComponentSpec, check_floating_input, default_device_and_dtype
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims the flash-attention kernels of levels 4 and 5 are built for (one tile width each)."""
+
+
+def visible_keys_mask(query_length: int, key_length: int, window: int, device: torch.device) -> torch.Tensor:
+    """(query_length, key_length) booleans: True where a query may attend to a key.
+
+    Queries are aligned to the *end* of the keys (decoding with a cache: the last query is the newest
+    token), so query i sits at position i + key_length − query_length. It sees every key at or before
+    its position, and with ``window`` > 0 only the ``window`` most recent of them.
+    """
+    query_positions = torch.arange(query_length, device=device).unsqueeze(-1) + (key_length - query_length)
+    key_positions = torch.arange(key_length, device=device).unsqueeze(0)
+    visible = key_positions <= query_positions
+    if window > 0:
+        visible = visible & (key_positions > query_positions - window)
+    return visible
+
+
+def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                   scale: float) -> torch.Tensor:
+    """The formula as a PyTorch user writes it: scores, mask, softmax, weighted sum (``window`` 0: none)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        visible = visible_keys_mask(q.shape[-2], k.shape[-2], window, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    return torch.matmul(probabilities, v)
+
+
+class AttentionSpec(ComponentSpec):
+    """Multi-head scaled dot-product attention (no projections: q, k, v come in ready).
+
+    o = softmax(q·kᵀ·scale + mask)·v
+
+    Args:
+        causal: query i sees keys at or before its position; when q is shorter than k (decoding with
+            a KV cache), queries are aligned to the end of the keys.
+        window: sliding-window (local) attention as in Longformer and Mistral: query i sees keys
+            i − window + 1 … i. Needs ``causal=True``; work scales with seq × window.
+        scale: multiplies the scores; default 1/√head_dim.
+
+    Call: ``attention(q, k, v)`` with q of shape (batch, heads, query_len, head_dim) and k, v of shape
+    (batch, heads, key_len, head_dim); returns (batch, heads, query_len, head_dim).
+    """
+
+    component = "attention"
+    compute_bound = True
+
+    def __init__(self, causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None):
+        if window is not None and (int(window) != window or window <= 0):
+            raise ValueError(f"window must be a positive number of keys, got {window!r}")
+        if window is not None and not causal:
+            raise ValueError("a sliding window looks back from each query, so it needs causal=True")
+        super().__init__(causal=bool(causal), window=window, scale=scale)
+        self.causal = bool(causal)
+        self.window = None if window is None else int(window)
+        self.scale = scale
+
+    def scale_for(self, head_dim: int) -> float:
+        return float(self.scale) if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            check_floating_input(name, tensor, self.level or "native")
+            if tensor.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}")
+        for name, tensor in (("k", k), ("v", v)):
+            if tensor.dtype != q.dtype or tensor.device != q.device:
+                raise TypeError(f"q, k and v must share dtype and device: q is {q.dtype} on {q.device}, "
+                                f"{name} is {tensor.dtype} on {tensor.device}")
+        if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                             "(expected q (B, H, Lq, D) and k, v both (B, H, Lk, D))")
+        if self.causal and q.shape[-2] > k.shape[-2]:
+            raise ValueError(f"causal attention with {q.shape[-2]} queries but only {k.shape[-2]} keys: the first "
+                             "queries would see no key (queries are aligned to the end of the keys)")
+
+    @classmethod
+    def config_for_shape(cls, input_shape):
+        return {"causal": True}
+
+    def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of one ``shape`` (batch, heads, seq, head_dim)."""
+        dtype, device = default_device_and_dtype(dtype, device)
+        return tuple(torch.randn(tuple(shape), dtype=dtype, device=device) for _ in range(3))
+
+    def visible_pairs(self, query_length: int, key_length: int) -> int:
+        """How many (query, key) pairs the mask leaves: the work a kernel that skips masked tiles does."""
+        if not self.causal:
+            return query_length * key_length
+        per_query = torch.arange(query_length, dtype=torch.int64) + (key_length - query_length) + 1
+        if self.window is not None:
+            per_query = per_query.clamp(max=self.window)
+        return int(per_query.clamp(min=0).sum())
+
+    def flops(self, shape, backward=False) -> int:
+        batch, heads, seq, head_dim = shape
+        # Two matmuls forward (q·kᵀ and p·v), 2 FLOPs per multiply-add, over the visible pairs only.
+        # The backward has five (recomputed q·kᵀ, dv, dp, dq, dk): 2.5× the forward.
+        forward = 4 * batch * heads * head_dim * self.visible_pairs(seq, seq)
+        return forward + (int(2.5 * forward) if backward else 0)
+
+    def bytes_moved(self, shape, dtype, backward=False) -> int:
+        batch, heads, seq, head_dim = shape
+        tensor = batch * heads * seq * head_dim * dtype.itemsize
+        log_sum_exp = batch * heads * seq * 4
+        forward = 4 * tensor + log_sum_exp  # read q, k, v; write o and the log-sum-exp
+        backward_bytes = 8 * tensor + log_sum_exp  # read q, k, v, o, do, lse; write dq, dk, dv
+        return forward + (backward_bytes if backward else 0)
+
+    def reference_modules(self, device: torch.device | None = None) -> dict[str, nn.Module]:
+        """``F.scaled_dot_product_attention`` pinned to each backend this device offers."""
+        from torch.nn.attention import SDPBackend
+
+        backends = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+        if device is not None and torch.device(device).type == "cpu":
+            backends = ["FLASH_ATTENTION", "MATH"]
+        return {f"SDPA {name.split('_')[0].lower()}": _PyTorchSDPA(self, getattr(SDPBackend, name))
+                for name in backends if hasattr(SDPBackend, name)}
+
+
+class _PyTorchSDPA(nn.Module):
+    """``F.scaled_dot_product_attention`` on one backend. SDPA's ``is_causal`` aligns queries to the
+    *start* of the keys, so other masks (end-aligned, windowed) go in as a boolean mask, which some
+    backends (flash) refuse: that row then says so."""
+
+    def __init__(self, spec: AttentionSpec, backend):
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+
+    def forward(self, q, k, v):
+        from torch.nn.attention import sdpa_kernel
+
+        spec = self.spec
+        same_length_causal = spec.causal and spec.window is None and q.shape[-2] == k.shape[-2]
+        mask = None
+        if spec.causal and not same_length_causal:
+            mask = visible_keys_mask(q.shape[-2], k.shape[-2], spec.window or 0, q.device)
+        with sdpa_kernel(self.backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=same_length_causal,
+                                                  scale=spec.scale_for(q.shape[-1]))
+
+
+class AttentionNative(AttentionSpec):
+    """Level 1: the full seq × seq score matrix, materialised, masked, softmaxed and read back."""
+
+    level = "native"
+
+    def compute(self, q, k, v):
+        return attention_math(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
+
+
+@functools.cache
+def _scripted_attention():
+    return torchscript(attention_math)
+
+
+class AttentionTorchScript(AttentionSpec):
+    """Level 2: ``torch.jit.script`` of the same math (deprecated upstream; the legacy fuser). It can
+    fuse the scale-and-mask into one kernel but still materialises the scores."""
+
+    level = "torchscript"
+
+    def compute(self, q, k, v):
+        return _scripted_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
+
+
+@functools.cache
+def _compiled_attention():
+    return inductor(attention_math)
+
+
+class AttentionCompiled(AttentionSpec):
+    """Level 3: ``torch.compile`` of the level-1 math. Inductor fuses the mask and softmax and calls
+    the vendor matmuls, but it does not invent flash attention: the scores still go through memory."""
+
+    level = "compile"
+
+    def compute(self, q, k, v):
+        return _compiled_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
+
+
+class _AttentionKernel(AttentionSpec):
+    """Levels 4 and 5: flash-attention ops on contiguous q, k, v; ``backend`` and ``kernel_name`` are
+    set by each level."""
+
+    def check_inputs(self, q, k, v):
+        super().check_inputs(q, k, v)
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim {q.shape[-1]} is not supported by the {self.kernel_name} attention kernel "
+                             f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+
+    def compute(self, q, k, v):
+        return self.backend().attention(q.contiguous(), k.contiguous(), v.contiguous(), self.causal,
+                                        self.window or 0, self.scale_for(q.shape[-1]))
+
+
+class AttentionTriton(_AttentionKernel):
+    """Level 4: Triton flash attention: tiled, online softmax, scores never written to memory,
+    log-sum-exp saved; backward kernels recompute the scores tile by tile."""
+
+    level = "triton"
+    kernel_name = "Triton"
+    backend = staticmethod(triton_backend)
+
+
+class AttentionCUDA(_AttentionKernel):
+    """Level 5: CUDA flash attention on tensor cores (mma.sync), and a tiled C++ CPU version with
+    the same online-softmax algorithm."""
+
+    level = "cuda"
+    kernel_name = "CUDA"
+    backend = staticmethod(cuda_backend)
+
+
+IMPLEMENTATIONS = {
+    "native": AttentionNative,
+    "torchscript": AttentionTorchScript,
+    "compile": AttentionCompiled,
+    "triton": AttentionTriton,
+    "cuda": AttentionCUDA,
+}
