@@ -70,6 +70,7 @@ class AttentionSpec(ComponentSpec):
 
     component = "attention"
     compute_bound = True
+    default_shapes = {"cuda": (4, 16, 4096, 128), "cpu": (1, 2, 128, 64)}
 
     def __init__(self, causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None):
         if window is not None and (int(window) != window or window <= 0):

@@ -21,16 +21,12 @@ from .report import format_table, plot_comparison
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
-# A GPU-sized problem fills an H100 (and leaves its 50 MB L2 far behind); the CPU size keeps the
-# Triton interpreter (level 4 without a GPU) to seconds.
-DEFAULT_SHAPES = {"cuda": (8192, 8192), "cpu": (256, 1024)}
-
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m profiling", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--component", nargs="+", choices=ladder.COMPONENTS, default=list(ladder.COMPONENTS))
-    parser.add_argument("--shape", nargs="+", type=int, help="input shape (default: sized to the device)")
+    parser.add_argument("--shape", nargs="+", type=int, help="input shape (default: each component's, sized to the device)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--levels", nargs="+", help="levels to run, by name or 1-5 (default: all)")
@@ -45,10 +41,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     arguments = parse_arguments(argv)
     device = torch.device(arguments.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape = tuple(arguments.shape or DEFAULT_SHAPES[device.type])
     print(f"Kernel Ladder on {describe_device(device)} | torch {torch.__version__}", file=sys.stderr)
     tables = []
     for component in arguments.component:
+        shape = tuple(arguments.shape or ladder.level_class(component, "native").default_shapes[device.type])
         table = compare_optimization_levels(
             component, shape, dtype=DTYPES[arguments.dtype], device=device, levels=arguments.levels,
             backward=arguments.backward, references=not arguments.no_references, budget_s=arguments.budget,

@@ -16,6 +16,14 @@ def build_pair(component, level, config, device, dtype):
     return module, levels.float64_reference(module)
 
 
+def make_inputs(module, shape, dtype, device):
+    """The component's own example inputs for ``shape``, or one random tensor per shape when ``shape``
+    is a tuple of shapes (attention with queries shorter than keys)."""
+    if shape and isinstance(shape[0], tuple):
+        return tuple(torch.randn(s, dtype=dtype, device=device) for s in shape)
+    return module.example_inputs(shape, dtype, device)
+
+
 def forward_and_gradients(module, inputs, grad_output):
     """The output and the gradients of every input and parameter, for ``grad_output`` flowing back."""
     inputs = tuple(x.detach().requires_grad_(True) for x in inputs)

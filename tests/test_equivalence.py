@@ -7,20 +7,22 @@ import torch
 from levels import TOLERANCE, relative_max_error
 
 from .conftest import grid_params
-from .helpers import build_pair, forward_and_gradients
+from .helpers import build_pair, forward_and_gradients, make_inputs
 
 
 @pytest.mark.parametrize("component,config,shape,level,device,dtype", grid_params())
 def test_forward_and_backward_match_float64_reference(component, config, shape, level, device, dtype):
     module, reference = build_pair(component, level, config, device, dtype)
-    inputs = module.example_inputs(shape, dtype, device)
-    grad_output = torch.randn(shape, dtype=torch.float64, device=device)
+    inputs = make_inputs(module, shape, dtype, device)
+    with torch.no_grad():
+        grad_output = torch.randn_like(reference(*[x.to(torch.float64) for x in inputs]))
 
     output, gradients = forward_and_gradients(module, inputs, grad_output)
     expected, expected_gradients = forward_and_gradients(reference, [x.to(torch.float64) for x in inputs], grad_output)
 
     assert output.dtype == dtype and output.shape == expected.shape
-    names = ["output", "grad input"] + [f"grad {name}" for name, _ in module.named_parameters()]
+    input_names = ["grad input"] if len(inputs) == 1 else [f"grad input {i}" for i in range(len(inputs))]
+    names = ["output", *input_names] + [f"grad {name}" for name, _ in module.named_parameters()]
     for name, actual, wanted in zip(names, [output, *gradients], [expected, *expected_gradients]):
         assert actual is not None, f"{name} was not computed"
         assert torch.isfinite(actual).all(), f"{name} has non-finite values"
