@@ -1,0 +1,213 @@
+"""Level 5: hand-written CUDA kernels and their C++ CPU twins, registered as ``torch.ops.cuda_kernels``.
+
+    swish(x, beta)                       -> y     (cuda_kernels/swish.cu,      swish_cpu.cpp)
+    layer_norm(x2d, weight, bias, eps)   -> y     (cuda_kernels/layer_norm.cu, layer_norm_cpu.cpp)
+
+Importing this package compiles the extension the first time (``torch.utils.cpp_extension.load``:
+ninja, then cached in PyTorch's extensions folder, so later imports only load it) and registers, for
+each of the ops ``swish_forward``, ``swish_backward``, ``layer_norm_forward`` and
+``layer_norm_backward``, a fake (shape-only) implementation for torch.compile and, for the forward
+ops, an autograd formula that calls the backward op. The schemas and the CPU/CUDA kernels themselves
+are registered in C++ (``ops.cpp``).
+
+The CUDA sources are compiled only when this PyTorch was built with CUDA, a GPU is visible and nvcc
+is found; otherwise the extension holds the CPU kernels alone, and CUDA tensors get a
+``LevelUnavailableError`` that says why.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from levels.spec import LevelUnavailableError
+
+_HERE = Path(__file__).resolve().parent
+_CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp")
+_CUDA_SOURCES = ("swish.cu", "layer_norm.cu")
+_HEADERS = ("kernels.h", "common.cuh", "cpu_common.h")
+
+# -O3 for vectorisation; -march=native because the extension is always built on the machine that runs
+# it (PyTorch's cache lives in the user's home); -fno-math-errno and -fno-trapping-math tell gcc that
+# math functions need not set errno and FP operations never trap, which it needs before it turns
+# branches like a clamp into vector min/max (see swish_cpu.cpp). -ffp-contract=off: gcc would otherwise
+# fuse a*b - c into one FMA wherever it likes, so a product summed in one loop and subtracted in the
+# next would differ by a rounding (LayerNorm's dx with N = 1 must be exactly 0, and would not be).
+# No -ffast-math: the exp in swish_cpu.cpp relies on IEEE rounding.
+_CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# No --use_fast_math: it would also flush float32 denormals to zero and make every float32 division and
+# sqrt approximate. The kernels call the fast intrinsics (__expf, __fdividef) by name, where they are
+# accurate enough (swish.cu says why).
+# The target architecture comes from PyTorch (TORCH_CUDA_ARCH_LIST, else the visible GPUs).
+_NVCC_FLAGS = ["-O3", "-std=c++17"]
+_LINK_FLAGS = ["-fopenmp"]
+
+
+def _why_no_cuda() -> str | None:
+    """None if the CUDA sources can be built and run here, else the reason they are left out."""
+    if torch.version.cuda is None:
+        return f"this PyTorch ({torch.__version__}) was built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return (f"nvcc was not found: install the CUDA toolkit {torch.version.cuda} (the version this PyTorch "
+                f"was built with) and set CUDA_HOME")
+    return None
+
+
+def _build() -> str | None:
+    """Compile (if needed) and load the extension; return why CUDA was left out, or None."""
+    from torch.utils import cpp_extension
+
+    why_no_cuda = _why_no_cuda()
+    name = "kernel_ladder_ext_cpu" if why_no_cuda else "kernel_ladder_ext_cuda"
+    sources = [_HERE / s for s in _CPU_SOURCES + (() if why_no_cuda else _CUDA_SOURCES)]
+    try:
+        cpp_extension.verify_ninja_availability()
+        # PyTorch's own cache folder for `name` (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/...).
+        library = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+        newest_source = max(f.stat().st_mtime for f in sources + [_HERE / h for h in _HEADERS])
+        if not library.exists() or library.stat().st_mtime < newest_source:
+            what = "C++ CPU kernels only: " + why_no_cuda if why_no_cuda else "C++ CPU and CUDA kernels"
+            print(f"cuda_kernels: compiling the level-5 extension {name} ({what}); once, about a minute...",
+                  file=sys.stderr, flush=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=_CXX_FLAGS + ([] if why_no_cuda else ["-DKERNEL_LADDER_WITH_CUDA"]),
+            extra_cuda_cflags=_NVCC_FLAGS,
+            extra_ldflags=_LINK_FLAGS,
+            with_cuda=why_no_cuda is None,
+            is_python_module=False,  # the library registers torch.ops.cuda_kernels; no Python module inside
+            verbose=False,
+        )
+    except (RuntimeError, OSError) as error:
+        raise LevelUnavailableError(
+            "level 5 could not build its C++/CUDA extension. It needs ninja (`pip install ninja`), a C++17 "
+            "compiler with OpenMP (g++ >= 9)" + ("" if why_no_cuda else " and nvcc") + f". Build error: {error}"
+        ) from error
+    return why_no_cuda
+
+
+_WHY_NO_CUDA = _build()
+
+
+def _require_kernels_for(x: torch.Tensor) -> None:
+    if x.is_cuda and _WHY_NO_CUDA is not None:
+        raise LevelUnavailableError(
+            f"cuda_kernels got a CUDA tensor, but the extension was built without its CUDA kernels: "
+            f"{_WHY_NO_CUDA}. Install a CUDA build of PyTorch and the matching CUDA toolkit (nvcc)")
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """mean and rstd are kept in the kernels' accumulator type: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register(op_name: str, fake, backward=None, setup_context=None) -> None:
+    """Register the fake (shape-only) implementation and, for a differentiable op, its autograd formula."""
+    qualified_name = f"cuda_kernels::{op_name}"
+    torch.library.register_fake(qualified_name, fake)
+    if backward is not None:
+        torch.library.register_autograd(qualified_name, backward, setup_context=setup_context)
+
+
+def _check_contiguous(op: str, *tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        torch._check(tensor.is_contiguous(), lambda: f"cuda_kernels::{op} needs contiguous tensors (call .contiguous() first)")
+
+
+def _check_rows(op: str, x: torch.Tensor, **columns: torch.Tensor) -> None:
+    """x is a (rows, N) matrix with N >= 1; each of ``columns`` is an N-vector."""
+    torch._check(x.dim() == 2, lambda: f"cuda_kernels::{op}: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    torch._check(x.shape[1] >= 1, lambda: f"cuda_kernels::{op}: rows of 0 elements have no mean")
+    for name, tensor in columns.items():
+        torch._check(tensor.shape == x.shape[1:],
+                     lambda: f"cuda_kernels::{op}: {name} has shape {tuple(tensor.shape)}, expected ({x.shape[1]},)")
+    _check_contiguous(op, x, *columns.values())
+
+
+# --- swish: y = x * sigmoid(beta * x) --------------------------------------------------------------
+
+
+def _swish_forward_fake(x, beta):
+    _check_contiguous("swish_forward", x)
+    return torch.empty_like(x)
+
+
+def _swish_forward_setup_context(ctx, inputs, output):
+    x, beta = inputs
+    ctx.save_for_backward(x)  # x only: the backward recomputes sigmoid(beta * x)
+    ctx.beta = beta
+
+
+def _swish_forward_backward(ctx, grad_out):
+    (x,) = ctx.saved_tensors
+    # Autograd may hand us a broadcast (stride-0) gradient, e.g. from y.sum().backward().
+    return torch.ops.cuda_kernels.swish_backward(grad_out.contiguous(), x, ctx.beta), None
+
+
+def _swish_backward_fake(grad_out, x, beta):
+    torch._check(grad_out.shape == x.shape, lambda: "cuda_kernels::swish_backward: grad_out and x differ in shape")
+    _check_contiguous("swish_backward", grad_out, x)
+    return torch.empty_like(x)
+
+
+# --- layer_norm over the rows of a (rows, N) matrix --------------------------------------------------
+
+
+def _layer_norm_forward_fake(x, weight, bias, eps):
+    _check_rows("layer_norm_forward", x, weight=weight, bias=bias)
+    mean = x.new_empty(x.shape[0], dtype=_statistics_dtype(x.dtype))
+    return torch.empty_like(x), mean, torch.empty_like(mean)
+
+
+def _layer_norm_forward_setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)  # the bias enters no gradient
+
+
+def _layer_norm_forward_backward(ctx, grad_out, grad_mean, grad_rstd):
+    # mean and rstd are outputs only so that they can be saved for this backward: their gradients are ignored.
+    needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
+    x, weight, mean, rstd = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = torch.ops.cuda_kernels.layer_norm_backward(grad_out.contiguous(), x, weight, mean, rstd)
+    return (grad_x if needs_x else None, grad_weight if needs_weight else None,
+            grad_bias if needs_bias else None, None)
+
+
+def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
+    _check_rows("layer_norm_backward", x, weight=weight)
+    torch._check(grad_out.shape == x.shape, lambda: "cuda_kernels::layer_norm_backward: grad_out and x differ in shape")
+    _check_contiguous("layer_norm_backward", grad_out, mean, rstd)
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+
+
+_register("swish_forward", _swish_forward_fake, _swish_forward_backward, _swish_forward_setup_context)
+_register("swish_backward", _swish_backward_fake)
+_register("layer_norm_forward", _layer_norm_forward_fake, _layer_norm_forward_backward, _layer_norm_forward_setup_context)
+_register("layer_norm_backward", _layer_norm_backward_fake)
+
+
+# --- what the levels call ------------------------------------------------------------------------------
+
+
+def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """y = x * sigmoid(beta * x) by our kernels, differentiable (the backward is ``swish_backward``)."""
+    _require_kernels_for(x)
+    return torch.ops.cuda_kernels.swish_forward(x, float(beta))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm of each row of the (rows, N) matrix ``x`` by our kernels, differentiable; returns only
+    the output (the saved mean and rstd stay inside the autograd graph)."""
+    _require_kernels_for(x)
+    return torch.ops.cuda_kernels.layer_norm_forward(x, weight, bias, float(eps))[0]
+
+
+__all__ = ["layer_norm", "swish"]

@@ -1,0 +1,160 @@
+// What every level-5 CUDA kernel shares: the accumulator type, 16-byte packs, conversions, warp and
+// block reductions, and the dtype switch that turns a runtime DType into a template argument.
+// Pure CUDA (no torch headers), so each .cu file that includes it compiles on its own with nvcc -c.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+namespace kernel_ladder {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreads = 1024;  // the most threads a block may have on every GPU since 2010
+
+// --- accumulator type ----------------------------------------------------------------------------
+// Every sum and every product is done in float, also for half-precision inputs: float16 has an
+// 11-bit mantissa, so a sum of a few thousand values in it would already be off in the third digit.
+// Float64 inputs keep float64 all the way.
+template <typename T> struct AccumulatorOf { using type = float; };
+template <> struct AccumulatorOf<double> { using type = double; };
+template <typename T> using Acc = typename AccumulatorOf<T>::type;
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_acc(Acc<T> v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// --- 16-byte packs -------------------------------------------------------------------------------
+// A warp's memory request is served in 32-byte sectors. One 16-byte load per thread (LDG.E.128)
+// asks for 512 contiguous bytes per warp instruction: 4x fewer instructions than float loads, and more
+// bytes in flight per thread, which is what keeps HBM busy. kVec = 1 is the scalar fallback.
+template <typename T> constexpr int kVecOf = 16 / static_cast<int>(sizeof(T));  // 4 float, 8 half, 2 double
+
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T val[kVec];
+};
+
+template <int kBytes> struct BitsOfSize;
+template <> struct BitsOfSize<16> { using type = int4; };
+template <> struct BitsOfSize<8> { using type = int2; };
+template <> struct BitsOfSize<4> { using type = int; };
+template <> struct BitsOfSize<2> { using type = unsigned short; };
+
+template <typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, kVec>*>(p);
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, kVec>& pack) {
+  *reinterpret_cast<Pack<T, kVec>*>(p) = pack;
+}
+
+// For data touched exactly once: the .cs ("cache streaming", evict-first) hint keeps the stream from
+// pushing reused data (LayerNorm's weight and bias) out of L1 and L2.
+template <typename T, int kVec>
+__device__ __forceinline__ Pack<T, kVec> load_pack_once(const T* p) {
+  using Bits = typename BitsOfSize<sizeof(Pack<T, kVec>)>::type;
+  const Bits bits = __ldcs(reinterpret_cast<const Bits*>(p));
+  Pack<T, kVec> pack;
+  memcpy(&pack, &bits, sizeof(pack));
+  return pack;
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kVec>& pack) {
+  using Bits = typename BitsOfSize<sizeof(Pack<T, kVec>)>::type;
+  Bits bits;
+  memcpy(&bits, &pack, sizeof(pack));
+  __stcs(reinterpret_cast<Bits*>(p), bits);
+}
+
+// A 16-byte load from an address that is not a multiple of 16 faults, so the launchers check every
+// pointer (a tensor view can start anywhere) and fall back to kVec = 1.
+inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// --- reductions ----------------------------------------------------------------------------------
+// Any trivially copyable value made of 4-byte words (a float, a double, a struct of them) can cross
+// lanes: __shfl_xor_sync moves one 32-bit register between the 32 lanes of a warp without touching
+// shared memory, so the value is moved word by word.
+template <typename T>
+__device__ __forceinline__ T shuffle_xor(T value, int lane_mask) {
+  static_assert(sizeof(T) % 4 == 0, "shuffle_xor moves 4-byte words");
+  int words[sizeof(T) / 4];
+  memcpy(words, &value, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i) words[i] = __shfl_xor_sync(0xffffffffu, words[i], lane_mask);
+  memcpy(&value, words, sizeof(T));
+  return value;
+}
+
+// Butterfly: after 5 exchanges every lane holds the combination of all 32 lanes.
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_reduce(T value, Combine combine) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask /= 2) value = combine(value, shuffle_xor(value, mask));
+  return value;
+}
+
+// Combine one value per thread across the block; every thread gets the result. blockDim.x must be a
+// multiple of 32, and T{} must be the identity of `combine` (0 for sums). Warps reduce in registers,
+// then one value per warp crosses shared memory, and every warp reduces those itself: two barriers,
+// no third one to broadcast the answer.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_reduce(T value, Combine combine) {
+  __shared__ T warp_results[kMaxThreads / kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  value = warp_reduce(value, combine);
+  __syncthreads();  // a previous call's readers are done with warp_results
+  if (lane == 0) warp_results[warp] = value;
+  __syncthreads();
+  value = lane < static_cast<int>(blockDim.x / kWarpSize) ? warp_results[lane] : T{};
+  return warp_reduce(value, combine);
+}
+
+struct Add {
+  template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+template <typename A>
+__device__ __forceinline__ A block_sum(A value) { return block_reduce(value, Add{}); }
+
+// --- dtype switch --------------------------------------------------------------------------------
+// Calls fn(T{}) with T the C++ type of `dtype`; fn is a generic lambda that reads T back with decltype.
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::Float32: fn(float{}); break;
+    case DType::Float64: fn(double{}); break;
+    case DType::Float16: fn(__half{}); break;
+    case DType::BFloat16: fn(__nv_bfloat16{}); break;
+  }
+}
+
+// Calls fn(std::integral_constant<int, kVec>{}) with kVec = 16 / sizeof(T) when every pointer allows
+// 16-byte accesses (`vectorise`), else with kVec = 1.
+template <typename T, typename Fn>
+void dispatch_vector_width(bool vectorise, Fn&& fn) {
+  if (vectorise) {
+    fn(std::integral_constant<int, kVecOf<T>>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
+}  // namespace kernel_ladder

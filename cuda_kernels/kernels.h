@@ -1,0 +1,55 @@
+// The level-5 kernels' interface: what ops.cpp calls, and nothing else.
+//
+// Plain C++ on purpose. The binding file includes this header in every build, also on a machine whose
+// PyTorch has no CUDA, so no CUDA type may appear here: tensors travel as `void*` plus a DType, and a
+// CUDA stream as `void*` (a cudaStream_t is a pointer). The .cu files cast them back.
+//
+// Conventions, for every function below:
+//   - pointers address contiguous memory; a (rows, n) matrix is row-major;
+//   - sizes are element counts and are > 0 (the binding returns empty outputs without calling us);
+//   - arithmetic is float32 for float16/bfloat16/float32 inputs and float64 for float64 inputs; the
+//     LayerNorm statistics (mean, rstd = reciprocal standard deviation) are stored in that type.
+#pragma once
+
+#include <cstdint>
+
+namespace kernel_ladder {
+
+enum class DType { Float32, Float64, Float16, BFloat16 };
+
+// --- CUDA launchers (swish.cu, layer_norm.cu): enqueue on `stream` and return without waiting. -----
+// The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
+
+// y = x * sigmoid(beta * x)
+void launch_swish_forward(DType dtype, const void* x, void* y, int64_t numel, double beta, void* stream);
+// grad_x = grad_out * s * (1 + beta * x * (1 - s)),  s = sigmoid(beta * x) recomputed
+void launch_swish_backward(DType dtype, const void* grad_out, const void* x, void* grad_x, int64_t numel,
+                           double beta, void* stream);
+
+// y = (x - mean) * rstd * weight + bias over each row of x (rows, n); writes mean and rstd (rows,).
+void launch_layer_norm_forward(DType dtype, const void* x, const void* weight, const void* bias, void* y,
+                               void* mean, void* rstd, int64_t rows, int64_t n, double eps, void* stream);
+
+// How many rows of partial weight/bias gradients the backward wants: one per block of its persistent
+// grid (as many blocks as fit on the GPU at once, never more than `rows`). The caller allocates a
+// workspace of 2 * partial_rows * n statistics-type values (kernels never allocate memory).
+int64_t layer_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n);
+
+// grad_x (rows, n), grad_weight and grad_bias (n,) in `dtype`. `workspace` is scratch, see above.
+void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight,
+                                const void* mean, const void* rstd, void* grad_x, void* grad_weight,
+                                void* grad_bias, void* workspace, int64_t partial_rows, int64_t rows,
+                                int64_t n, void* stream);
+
+// --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp): OpenMP, float32 and float64 only. -----------
+
+void swish_forward_cpu(DType dtype, const void* x, void* y, int64_t numel, double beta);
+void swish_backward_cpu(DType dtype, const void* grad_out, const void* x, void* grad_x, int64_t numel,
+                        double beta);
+void layer_norm_forward_cpu(DType dtype, const void* x, const void* weight, const void* bias, void* y,
+                            void* mean, void* rstd, int64_t rows, int64_t n, double eps);
+void layer_norm_backward_cpu(DType dtype, const void* grad_out, const void* x, const void* weight,
+                             const void* mean, const void* rstd, void* grad_x, void* grad_weight,
+                             void* grad_bias, int64_t rows, int64_t n);
+
+}  // namespace kernel_ladder

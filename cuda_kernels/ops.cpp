@@ -1,0 +1,192 @@
+// The level-5 binding: the `cuda_kernels` op schemas, their input checks and output allocation, and the
+// registration of one C++ function per op for the CPU dispatch key and (in a CUDA build) the CUDA key.
+//
+// The kernels themselves never see a tensor: each op below checks its inputs (TORCH_CHECK, so a bad
+// call is a Python RuntimeError naming the op and the argument), allocates its outputs with PyTorch's
+// allocator, and hands raw pointers to the C++ CPU functions or to the CUDA launchers on the current
+// stream. fake (shape-only) and autograd registrations are in Python, in __init__.py.
+//
+// KERNEL_LADDER_WITH_CUDA is defined by the loader only when it compiles the .cu files too; without
+// it this file needs no CUDA header and links against PyTorch's CPU-only build.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#ifdef KERNEL_LADDER_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include <tuple>
+
+#include "kernels.h"
+
+namespace kernel_ladder {
+namespace {
+
+using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The kernels' DType for x's dtype, if our kernels compute it on x's device.
+DType kernel_dtype(const char* op, const at::Tensor& x) {
+  const at::ScalarType type = x.scalar_type();
+  const bool ieee = type == at::kFloat || type == at::kDouble;
+  const bool half = type == at::kHalf || type == at::kBFloat16;
+  TORCH_CHECK(ieee || (half && x.is_cuda()), "cuda_kernels::", op, " got dtype ", type, " on ", x.device(),
+              "; supported: ", x.is_cuda() ? "Float, Double, Half, BFloat16" : "Float, Double (Half and BFloat16 on CUDA only)");
+  switch (type) {
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: return DType::Float32;
+  }
+}
+
+// mean and rstd, and the backward's partial sums, are kept in the kernels' accumulator type.
+at::ScalarType statistics_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Every tensor argument: on x's device, of the expected dtype and shape, and contiguous (the kernels
+// index memory linearly).
+void check_argument(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x, at::ScalarType dtype,
+                    at::IntArrayRef shape) {
+  TORCH_CHECK(t.device() == x.device(), "cuda_kernels::", op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "cuda_kernels::", op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.sizes() == shape, "cuda_kernels::", op, ": ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.is_contiguous(), "cuda_kernels::", op, ": ", name, " must be contiguous (call .contiguous() first)");
+}
+
+// x of LayerNorm: a (rows, n) matrix with n >= 1 (a row of no elements has no mean).
+void check_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, N) matrix, got shape ", x.sizes());
+  TORCH_CHECK(x.size(1) >= 1, "cuda_kernels::", op, ": rows of 0 elements have no mean (x has shape ", x.sizes(), ")");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "cuda_kernels::", op, ": at most 2^31 - 1 rows (one CUDA block each), got ", x.size(0));
+}
+
+// Runs `cuda(stream)` for a CUDA tensor x, on x's GPU and its current stream, then checks the launch;
+// runs `cpu()` otherwise. (A CPU-only build registers no CUDA kernels, so no CUDA tensor gets here.)
+template <typename Cuda, typename Cpu>
+void run_on_device_of([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] Cuda&& cuda, Cpu&& cpu) {
+#ifdef KERNEL_LADDER_WITH_CUDA
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    cuda(static_cast<void*>(at::cuda::getCurrentCUDAStream(x.get_device()).stream()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+#endif
+  cpu();
+}
+
+// --- the ops -------------------------------------------------------------------------------------
+
+at::Tensor swish_forward(const at::Tensor& x, double beta) {
+  const DType dtype = kernel_dtype("swish_forward", x);
+  check_argument("swish_forward", "x", x, x, x.scalar_type(), x.sizes());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return y;  // no 0-block launch
+  run_on_device_of(
+      x, [&](void* stream) { launch_swish_forward(dtype, x.const_data_ptr(), y.mutable_data_ptr(), x.numel(), beta, stream); },
+      [&] { swish_forward_cpu(dtype, x.const_data_ptr(), y.mutable_data_ptr(), x.numel(), beta); });
+  return y;
+}
+
+at::Tensor swish_backward(const at::Tensor& grad_out, const at::Tensor& x, double beta) {
+  const DType dtype = kernel_dtype("swish_backward", x);
+  check_argument("swish_backward", "x", x, x, x.scalar_type(), x.sizes());
+  check_argument("swish_backward", "grad_out", grad_out, x, x.scalar_type(), x.sizes());
+  at::Tensor grad_x = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return grad_x;
+  run_on_device_of(
+      x,
+      [&](void* stream) {
+        launch_swish_backward(dtype, grad_out.const_data_ptr(), x.const_data_ptr(), grad_x.mutable_data_ptr(), x.numel(),
+                              beta, stream);
+      },
+      [&] { swish_backward_cpu(dtype, grad_out.const_data_ptr(), x.const_data_ptr(), grad_x.mutable_data_ptr(), x.numel(), beta); });
+  return grad_x;
+}
+
+TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  const char* op = "layer_norm_forward";
+  check_rows(op, x);
+  const DType dtype = kernel_dtype(op, x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_argument(op, "x", x, x, x.scalar_type(), {rows, n});
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  check_argument(op, "bias", bias, x, x.scalar_type(), {n});
+  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor mean = at::empty({rows}, x.options().dtype(statistics_dtype(x)));
+  at::Tensor rstd = at::empty({rows}, mean.options());
+  if (rows == 0) return {y, mean, rstd};
+  run_on_device_of(
+      x,
+      [&](void* stream) {
+        launch_layer_norm_forward(dtype, x.const_data_ptr(), weight.const_data_ptr(), bias.const_data_ptr(),
+                                  y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(), rows, n, eps,
+                                  stream);
+      },
+      [&] {
+        layer_norm_forward_cpu(dtype, x.const_data_ptr(), weight.const_data_ptr(), bias.const_data_ptr(),
+                               y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(), rows, n, eps);
+      });
+  return {y, mean, rstd};
+}
+
+TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "layer_norm_backward";
+  check_rows(op, x);
+  const DType dtype = kernel_dtype(op, x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_argument(op, "x", x, x, x.scalar_type(), {rows, n});
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), {rows, n});
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  check_argument(op, "mean", mean, x, statistics_dtype(x), {rows});
+  check_argument(op, "rstd", rstd, x, statistics_dtype(x), {rows});
+  at::Tensor grad_x = at::empty({rows, n}, x.options());
+  if (rows == 0) return {grad_x, at::zeros({n}, weight.options()), at::zeros({n}, weight.options())};
+  at::Tensor grad_weight = at::empty({n}, weight.options());
+  at::Tensor grad_bias = at::empty({n}, weight.options());
+  run_on_device_of(
+      x,
+      [&](void* stream) {
+        // Scratch for the per-block partial dw and db rows, from PyTorch's caching allocator: freed
+        // when this returns, and reused only by work queued after ours on the same stream.
+        const int64_t partial_rows = layer_norm_backward_partial_rows(dtype, rows, n);
+        at::Tensor workspace = at::empty({2, partial_rows, n}, x.options().dtype(statistics_dtype(x)));
+        launch_layer_norm_backward(dtype, grad_out.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(),
+                                   mean.const_data_ptr(), rstd.const_data_ptr(), grad_x.mutable_data_ptr(),
+                                   grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
+                                   workspace.mutable_data_ptr(), partial_rows, rows, n, stream);
+      },
+      [&] {
+        layer_norm_backward_cpu(dtype, grad_out.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(),
+                                mean.const_data_ptr(), rstd.const_data_ptr(), grad_x.mutable_data_ptr(),
+                                grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(), rows, n);
+      });
+  return {grad_x, grad_weight, grad_bias};
+}
+
+// The same functions serve both dispatch keys: they branch on the device themselves.
+void register_kernels(torch::Library& m) {
+  m.impl("swish_forward", &swish_forward);
+  m.impl("swish_backward", &swish_backward);
+  m.impl("layer_norm_forward", &layer_norm_forward);
+  m.impl("layer_norm_backward", &layer_norm_backward);
+}
+
+}  // namespace
+}  // namespace kernel_ladder
+
+// The contract shared with level 4 (namespace triton_kernels has the same schemas).
+TORCH_LIBRARY(cuda_kernels, m) {
+  m.def("swish_forward(Tensor x, float beta) -> Tensor");
+  m.def("swish_backward(Tensor grad_out, Tensor x, float beta) -> Tensor");
+  m.def("layer_norm_forward(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(cuda_kernels, CPU, m) { kernel_ladder::register_kernels(m); }
+
+#ifdef KERNEL_LADDER_WITH_CUDA
+TORCH_LIBRARY_IMPL(cuda_kernels, CUDA, m) { kernel_ladder::register_kernels(m); }
+#endif
