@@ -92,6 +92,14 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def dot_input_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input_precision for inputs of ``dtype``. Triton's default for float32 operands is
+    TF32 (10 mantissa bits, errors near 3e-4) which would fail float32's 2e-5 tolerance, so float32
+    (and float64) ask for "ieee": exact products, on the CUDA cores instead of the tensor cores.
+    16-bit operands go to the tensor cores whatever this says."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
 def split_float(value: float) -> tuple[float, float]:
     """Triton passes a Python float to a kernel as a float32 scalar, which would cost float64 inputs
     29 bits of a constant like beta or eps. So we pass two float32 halves, ``value ≈ high + low``;
