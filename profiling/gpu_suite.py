@@ -96,7 +96,7 @@ def environment(device: torch.device) -> dict:
 
 def run_tests(selection: str, out: Path) -> int:
     """pytest over tests/ (the notebooks are CPU lessons, checked by CI), log under ``out``."""
-    command = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rs"]
+    command = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rfs"]
     if selection == "gpu":
         command += ["-m", "gpu"]
     with open(out / "pytest.log", "w") as log:
