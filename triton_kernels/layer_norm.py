@@ -288,15 +288,21 @@ def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch
     grad_bias = torch.empty_like(weight)
     reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
         n, programs, persistent_program_count(x, n, 2))
+    # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
+    # multiply-add, dy·w stays unrounded while c₂ (built from the rounded dy·w) does not, which leaves
+    # rounding noise where the exact answer is 0 (rows of one element). The kernel is memory-bound:
+    # the separate multiply costs nothing.
     with on_device(x):
         if tile.looped:
             _layer_norm_bwd_looped_kernel[(programs,)](
                 grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n,
-                BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+                BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps,
+                enable_fp_fusion=False)
         else:
             _layer_norm_bwd_kernel[(programs,)](
                 grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n, BLOCK_N=tile.block_n,
-                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps,
+                enable_fp_fusion=False)
         _layer_norm_bwd_dwdb_kernel[(reduction_programs,)](
             partial_dw, partial_db, grad_weight, grad_bias, programs, n,
             BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, num_warps=4)
