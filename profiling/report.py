@@ -35,6 +35,7 @@ DISPLAY_COLUMNS = {
     "median_ms": "median ms",
     "p10_ms": "p10 ms",
     "p90_ms": "p90 ms",
+    "graph_ms": "graph ms",
     "speedup_vs_level_1": "speedup",
     "GB/s": "GB/s",
     "TFLOP/s": "TFLOP/s",
