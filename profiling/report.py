@@ -6,8 +6,9 @@ import pandas as pd
 
 
 def plot_comparison(table: pd.DataFrame, ax=None, title: str | None = None):
-    """Horizontal bars of median time per level (with the 10th-90th percentile spread), reference
-    rows in grey, each bar labelled with its speedup over level 1 and its share of copy bandwidth."""
+    """Horizontal bars of median time per level launched from Python (with the 10th-90th percentile
+    spread), reference rows in grey, a red diamond at the CUDA-graph replay time where there is one,
+    and each bar labelled with its speedup over level 1 and its share of copy bandwidth."""
     import matplotlib.pyplot as plt
 
     rows = table[table["status"] == "ok"].iloc[::-1]
@@ -15,7 +16,12 @@ def plot_comparison(table: pd.DataFrame, ax=None, title: str | None = None):
         _, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     colours = ["#9e9e9e" if kind == "reference" else "#1f77b4" for kind in rows["kind"]]
     spread = [rows["median_ms"] - rows["p10_ms"], rows["p90_ms"] - rows["median_ms"]]
-    ax.barh(rows["level"], rows["median_ms"], xerr=spread, color=colours, capsize=3)
+    ax.barh(rows["level"], rows["median_ms"], xerr=spread, color=colours, capsize=3, label="launched from Python")
+    if rows["graph_ms"].notna().any():
+        # The GPU's own time: what is left of each bar when Python's launch overhead is taken out.
+        ax.scatter(rows["graph_ms"], rows["level"], marker="D", color="#d62728", s=18, zorder=3,
+                   label="CUDA-graph replay")
+        ax.legend(loc="lower right", fontsize=7)
     for position, (_, row) in enumerate(rows.iterrows()):
         # Labels start past the spread's far end so they never sit on a bar or its whisker.
         ax.annotate(f"  {row['speedup_vs_level_1']:.2f}x, {row['pct_copy_bandwidth']:.0f}% of copy BW",
