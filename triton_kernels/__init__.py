@@ -44,7 +44,9 @@ if not torch.cuda.is_available():
     print("triton_kernels: no CUDA GPU found, so Triton's interpreter runs the level-4 kernels on the CPU "
           "(correct, but slowly)", file=sys.stderr)
 
-from .layer_norm import layer_norm  # noqa: E402  (after the switch above, on purpose)
+from .attention import attention  # noqa: E402  (after the switch above, on purpose)
+from .layer_norm import layer_norm  # noqa: E402
+from .softmax import softmax  # noqa: E402
 from .swish import swish  # noqa: E402
 
-__all__ = ["layer_norm", "swish"]
+__all__ = ["attention", "layer_norm", "softmax", "swish"]

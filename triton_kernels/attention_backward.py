@@ -1,0 +1,303 @@
+"""Flash attention in Triton, the backward pass: dq, dk, dv from the saved log-sum-exp, scores recomputed.
+
+What it computes
+    With s = q·kᵀ·scale and p = exp(s − lse) (the forward's probabilities, rebuilt from the saved lse):
+        dv = pᵀ·do,   dp = do·vᵀ,   ds = p ∘ (dp − δ),   dq = scale·ds·k,   dk = scale·dsᵀ·q
+    where δ_i = Σ_j p_ij·dp_ij = Σ_d do_id·o_id: one number per query, cheaper from o than from p.
+
+Kernels, in the order they run
+    ``_attention_bwd_delta_kernel``   δ = rowsum(do ∘ o), one read of do and o
+    ``_attention_bwd_dkdv_kernel``    one program per (key block, batch·head): its k, v and the dk, dv
+                                      accumulators stay in registers while it walks the query blocks
+                                      that see those keys, recomputing p and ds tile by tile
+    ``_attention_bwd_dq_kernel``      one program per (query block, batch·head): its q, do and the dq
+                                      accumulator stay in registers while it walks the key blocks
+
+The one idea that makes it fast
+    Recompute instead of store. Keeping p for the backward would write seq² numbers per head in the
+    forward and read them back here: exactly the memory traffic flash attention exists to remove.
+    One log-sum-exp per query rebuilds any tile of p from q and k for the price of one more q·kᵀ
+    matmul; on a GPU that does ~300 FLOPs in the time it moves one byte, FLOPs are the cheap side.
+
+    Two kernels instead of atomics. dk and dv are sums over queries, dq a sum over keys: no single
+    tiling owns both. The program owning a key block sums dk and dv in registers and writes them
+    once; dq would then need atomic float adds from every key block, whose order (and so whose
+    rounding) changes from run to run. A second kernel owning query blocks recomputes p and ds to
+    sum dq instead: two more matmuls per tile (seven against five), and bit-identical results on
+    every run. Both kernels skip masked-out blocks and mask only the straddling ones, as the forward does.
+
+Launch
+    ``backward_tiles``: per head dim, measured on an H100 (see BACKWARD_TILES). float32 and float64
+    take the forward's small tiles.
+
+Limits
+    As the forward: head_dim 16, 32, 64, 128; any lengths; float16, bfloat16, float32, float64 on the
+    GPU (accumulating in float32, float64 for float64); float32 and float64 under the interpreter.
+
+Check
+    python -m pytest tests -k "attention and triton"
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_forward import (
+    LOG2E,
+    AttentionTile,
+    _key_block_range,
+    _visible,
+    check_attention_shapes,
+    float64_dot_guard,
+    forward_tile,
+)
+from .launch import accumulator_dtype, cdiv, check_inputs, compute_dtype, dot_input_precision, on_device, split_float
+
+
+class BackwardTiles(NamedTuple):
+    key_blocks: AttentionTile  # dk, dv kernel: block_n keys owned per program, block_m queries a step
+    query_blocks: AttentionTile  # dq kernel: block_m queries owned per program, block_n keys a step
+
+
+BACKWARD_TILES = {
+    16: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
+    32: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
+    64: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
+    128: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
+}
+"""Backward tiles for float16 and bfloat16, per head dim. A dk, dv program holds two float32
+(block_n, head_dim) accumulators besides k and v: at head_dim 128 that caps the key block at 64
+keys before registers spill."""
+
+DELTA_ROWS = 64
+"""Queries per program of the δ kernel: 64 rows of do and o, 16 KB at head_dim 128 in 16 bits."""
+
+
+def backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardTiles:
+    if dtype.itemsize == 2:
+        return BACKWARD_TILES[head_dim]
+    small = forward_tile(head_dim, dtype)
+    return BackwardTiles(small, small)
+
+
+@triton.jit
+def _attention_bwd_delta_kernel(Out, DOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                COMPUTE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = rows < n_rows
+    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + offsets, mask=mask[:, None], other=0.0).to(COMPUTE)
+    do = tl.load(DOut + offsets, mask=mask[:, None], other=0.0).to(COMPUTE)
+    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=mask)
+
+
+# --- dk, dv: a program per key block ------------------------------------------------------------------
+
+
+@triton.jit
+def _query_block_range(first_key, query_length, key_length, window, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """The queries that see the keys first_key … first_key + BLOCK_N − 1, as three runs of query
+    blocks: [lo, full_lo) straddles the diagonal (masked), [full_lo, full_hi) sees every key of the
+    block (no mask), [full_hi, hi) straddles the window's trailing edge or the end of the queries
+    (masked). The mirror image of ``_key_block_range``."""
+    lo = tl.zeros((), tl.int32)
+    full_lo = lo
+    full_hi = query_length // BLOCK_M * BLOCK_M
+    hi = query_length
+    if CAUSAL:
+        offset = key_length - query_length  # query i sits at position i + offset
+        last_key = tl.minimum(first_key + BLOCK_N, key_length) - 1
+        lo = tl.maximum(first_key - offset, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last_key - offset, 0), BLOCK_M) * BLOCK_M
+        if WINDOWED:  # query i sees key j while j > i + offset − window, that is i < j − offset + window
+            hi = tl.minimum(tl.maximum(last_key - offset + window, 0), query_length)
+            full_hi = tl.minimum(tl.maximum(first_key - offset + window, 0), query_length) // BLOCK_M * BLOCK_M
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, end, query_length, key_length,
+                              window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
+    """Add the query blocks start … end into a key block's dk and dv. Tiles are (keys, queries):
+    transposed, so that the sums over queries are matmuls that land in dk and dv directly."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, end, BLOCK_M):
+        queries = block_start + tl.arange(0, BLOCK_M)
+        offsets = queries[:, None] * HEAD_DIM + dims[None, :]
+        if MASKED:  # rows past query_length read as q = do = 0, so they add nothing to dk and dv
+            query_mask = queries < query_length
+            q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)
+            do = tl.load(DOut + offsets, mask=query_mask[:, None], other=0.0)
+            lse = tl.load(LSE + queries, mask=query_mask, other=0.0)
+            delta = tl.load(Delta + queries, mask=query_mask, other=0.0)
+        else:
+            q = tl.load(Q + offsets)
+            do = tl.load(DOut + offsets)
+            lse = tl.load(LSE + queries)
+            delta = tl.load(Delta + queries)
+        # pᵀ rebuilt from the saved log-sum-exp, in base 2 as the forward computed it
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - (lse * LOG2E)[None, :])
+        if MASKED:
+            p_t = tl.where(_visible(queries[None, :], keys[:, None], query_length, key_length, window,
+                                    CAUSAL, WINDOWED), p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["query_length", "key_length", "window"])
+def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, window, scale_high,
+                               scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr):
+    # Key blocks fastest, in order: with a causal mask the first key blocks are seen by the most
+    # queries, so the longest programs start first.
+    key_blocks = tl.cdiv(key_length, BLOCK_N)
+    first_key = tl.program_id(0) % key_blocks * BLOCK_N
+    batch_head = (tl.program_id(0) // key_blocks).to(tl.int64)
+    Q += batch_head * query_length * HEAD_DIM
+    DOut += batch_head * query_length * HEAD_DIM
+    LSE += batch_head * query_length
+    Delta += batch_head * query_length
+    K += batch_head * key_length * HEAD_DIM
+    V += batch_head * key_length * HEAD_DIM
+    DK += batch_head * key_length * HEAD_DIM
+    DV += batch_head * key_length * HEAD_DIM
+
+    keys = first_key + tl.arange(0, BLOCK_N)
+    key_mask = keys < key_length
+    offsets = keys[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(K + offsets, mask=key_mask[:, None], other=0.0)
+    v = tl.load(V + offsets, mask=key_mask[:, None], other=0.0)
+    scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
+
+    lo, full_lo, full_hi, hi = _query_block_range(first_key, query_length, key_length, window, BLOCK_M, BLOCK_N,
+                                                  CAUSAL, WINDOWED)
+    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, lo, full_lo, query_length,
+                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
+                                       WINDOWED, DOT_PRECISION)
+    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_lo, full_hi, query_length,
+                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, False, CAUSAL,
+                                       WINDOWED, DOT_PRECISION)
+    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_hi, hi, query_length,
+                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
+                                       WINDOWED, DOT_PRECISION)
+    tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
+    tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
+
+
+# --- dq: a program per query block --------------------------------------------------------------------
+
+
+@triton.jit
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, query_length, key_length, window,
+                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                            CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the key blocks start … end into a query block's dq."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, end, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = keys[:, None] * HEAD_DIM + dims[None, :]
+        if MASKED:
+            k = tl.load(K + offsets, mask=(keys < key_length)[:, None], other=0.0)
+            v = tl.load(V + offsets, mask=(keys < key_length)[:, None], other=0.0)
+        else:
+            k = tl.load(K + offsets)
+            v = tl.load(V + offsets)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
+                                  WINDOWED), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["query_length", "key_length", "window"])
+def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, window, scale_high,
+                             scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
+    # The forward's grid and order: late (long) causal query blocks first.
+    query_blocks = tl.cdiv(query_length, BLOCK_M)
+    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
+    batch_head = (tl.program_id(0) // query_blocks).to(tl.int64)
+    Q += batch_head * query_length * HEAD_DIM
+    DOut += batch_head * query_length * HEAD_DIM
+    DQ += batch_head * query_length * HEAD_DIM
+    LSE += batch_head * query_length
+    Delta += batch_head * query_length
+    K += batch_head * key_length * HEAD_DIM
+    V += batch_head * key_length * HEAD_DIM
+
+    queries = first_query + tl.arange(0, BLOCK_M)
+    query_mask = queries < query_length
+    offsets = queries[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)
+    do = tl.load(DOut + offsets, mask=query_mask[:, None], other=0.0)
+    lse2 = tl.load(LSE + queries, mask=query_mask, other=0.0) * LOG2E
+    delta = tl.load(Delta + queries, mask=query_mask, other=0.0)
+    scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
+
+    lo, full_lo, full_hi, hi = _key_block_range(first_query, query_length, key_length, window, BLOCK_M, BLOCK_N,
+                                                CAUSAL, WINDOWED)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, lo, full_lo, query_length, key_length,
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_lo, full_hi, query_length, key_length,
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_hi, hi, query_length, key_length,
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
+    tl.store(DQ + offsets, (dq * scale).to(DQ.dtype.element_ty), mask=query_mask[:, None])
+
+
+# --- launcher ------------------------------------------------------------------------------------------
+
+
+def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
+    check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
+                           per_query={"lse": lse})
+    check_inputs("attention_backward", grad_out, q, k, v, out, lse)
+    batch, heads, query_length, head_dim = q.shape
+    key_length = k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    tiles = backward_tiles(head_dim, q.dtype)
+    shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
+                  DOT_PRECISION=dot_input_precision(q.dtype))
+    scale_halves = split_float(scale)
+    with on_device(q), float64_dot_guard(q.dtype):
+        _attention_bwd_delta_kernel[(cdiv(delta.numel(), DELTA_ROWS),)](
+            out, grad_out, delta, delta.numel(), HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_ROWS,
+            COMPUTE=compute_dtype(q.dtype), num_warps=4)
+        tile = tiles.key_blocks
+        _attention_bwd_dkdv_kernel[(cdiv(key_length, tile.block_n) * batch * heads,)](
+            q, k, v, grad_out, lse, delta, grad_k, grad_v, query_length, key_length, window, *scale_halves,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **shared)
+        if key_length == 1 or (causal and window == 1):
+            # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q
+            # or k. Say so exactly, rather than as the rounding noise of dp − δ (level 1 gives zeros).
+            return grad_q.zero_(), grad_k.zero_(), grad_v
+        tile = tiles.query_blocks
+        _attention_bwd_dq_kernel[(cdiv(query_length, tile.block_m) * batch * heads,)](
+            q, k, v, grad_out, lse, delta, grad_q, query_length, key_length, window, *scale_halves,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **shared)
+    return grad_q, grad_k, grad_v

@@ -1,0 +1,289 @@
+"""Flash attention in Triton, the forward pass: o = softmax(q·kᵀ·scale + mask)·v without the score matrix.
+
+What it computes
+    ``_attention_fwd_kernel``, one program per (block of BLOCK_M queries, batch·head):
+        for each block of BLOCK_N keys the queries can see:
+            s = q·kᵀ·scale·log2(e)                     a (BLOCK_M, BLOCK_N) tile, in registers only
+            m_new = max(m, rowmax s)                    running maximum per query
+            p = 2^(s − m_new),  α = 2^(m − m_new)       α rescales what was summed under the old maximum
+            ℓ = α·ℓ + rowsum p,  acc = α·acc + p·v
+        o = acc / ℓ,   lse = (m + log2 ℓ)·ln 2          lse: the log-sum-exp of the scaled scores, saved
+                                                        so that the backward can rebuild p tile by tile
+
+The one idea that makes it fast
+    Level 1 writes the (seq, seq) score matrix to memory, reads it back to softmax it, writes the
+    probabilities and reads them again for p·v: time and memory grow with seq². Here a tile of
+    scores lives and dies in registers. Each program loads its q block once and streams k and v
+    blocks through shared memory (``num_stages`` loads in flight while the tensor cores work on the
+    current one); the online softmax merges one key block at a time, so nothing of size seq² exists.
+    Per program the bytes moved are q, o and the k, v it visits; the FLOPs are the two tile matmuls.
+
+    The mask costs nothing where it is not needed. ``_key_block_range`` splits the keys a query
+    block can see into blocks fully visible to all its queries (no mask at all: the loop runs with
+    unmasked loads and no compares) and the few blocks that straddle the causal diagonal, the
+    window's trailing edge or the end of the keys (masked). Blocks no query of the block can see
+    (past the diagonal, before the window) are not visited, so causal attention does half the
+    work of full attention, and a sliding window makes the work grow with seq × window.
+
+    exp2 instead of exp: the GPU's special-function unit computes 2^x in one instruction; e^x is
+    2^(x·log2 e), and the factor log2 e is folded into the score scale once.
+
+Launch
+    ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
+    FORWARD_TILES); float32 and float64 take smaller tiles, as their products run on the CUDA cores
+    and their tiles take two and four times the registers and shared memory.
+
+Limits
+    head_dim 16, 32, 64, 128; any sequence lengths (the last blocks are masked); float16, bfloat16,
+    float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32 (float64
+    for float64); float32 and float64 under the CPU interpreter. Contiguous (B, H, L, D) inputs.
+
+Check
+    python -m pytest tests -k "attention and triton"
+    python -m profiling --component attention --shape 4 16 4096 128 --dtype bfloat16 --backward
+"""
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from levels.attention import SUPPORTED_HEAD_DIMS
+
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    check_contiguous,
+    check_inputs,
+    compute_dtype,
+    dot_input_precision,
+    on_device,
+    require,
+    split_float,
+)
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back from base 2 to the natural log-sum-exp
+
+
+class AttentionTile(NamedTuple):
+    """How one program of a flash-attention kernel tiles its work."""
+
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int  # loads in flight in the software pipeline of the key (or query) loop
+
+
+FORWARD_TILES = {
+    16: AttentionTile(128, 64, 4, 3),
+    32: AttentionTile(128, 64, 4, 3),
+    64: AttentionTile(128, 64, 4, 3),
+    128: AttentionTile(128, 64, 8, 4),
+}
+"""Forward tiles for float16 and bfloat16, per head dim. 128 queries a program: enough rows for the
+tensor cores' 64-row instructions, and each k, v block loaded is reused by 128 queries. Key blocks
+of 64 keep the score tile, the accumulator and the pipelined loads within the registers and shared
+memory of one SM."""
+
+
+SLIDING_WINDOW_TILES = dict(FORWARD_TILES)
+
+
+def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
+    if dtype.itemsize == 2:
+        return (SLIDING_WINDOW_TILES if windowed else FORWARD_TILES)[head_dim]
+    # float32 ("ieee") and float64 products run on the CUDA cores, each thread holding its share of
+    # the operands in registers: 32 × 32 tiles over 8 warps compile without spilling up to head_dim 64.
+    return AttentionTile(32, 32, 8, 2)
+
+
+@contextlib.contextmanager
+def float64_dot_guard(dtype: torch.dtype):
+    """Turn "this Triton cannot compile tl.dot on float64 tiles" into a TypeError that says so. Triton
+    3.6 (an H100 machine's, 2026) rejects float64 operands; the Triton 3.9 interpreter accepts them."""
+    try:
+        yield
+    except triton.CompilationError as error:
+        if dtype != torch.float64:
+            raise
+        raise TypeError(f"float64 attention needs tl.dot on float64 tiles, which Triton {triton.__version__} cannot "
+                        f"compile for this GPU: use float32 (its products are exact, 'ieee') or a newer Triton") from error
+
+
+# --- input checks (launchers and fake implementations) ----------------------------------------------
+
+
+def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                           window: int, like_q: dict | None = None, per_query: dict | None = None) -> None:
+    """q is (B, H, Lq, D), k and v are (B, H, Lk, D) of q's dtype, D a supported head dim, and causal
+    attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query`` ones are (B, H, Lq) statistics
+    in the accumulator dtype. All contiguous."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            lambda: f"{op}: q, k, v must be (batch, heads, seq, head_dim), got shapes {tuple(q.shape)}, "
+                    f"{tuple(k.shape)}, {tuple(v.shape)}")
+    require(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3],
+            lambda: f"{op}: shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    require(k.dtype == q.dtype and v.dtype == q.dtype,
+            lambda: f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.shape[3] in SUPPORTED_HEAD_DIMS,
+            lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
+                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
+    require(not causal or q.shape[2] <= k.shape[2],
+            lambda: f"{op}: causal attention with {q.shape[2]} queries but only {k.shape[2]} keys: the first "
+                    f"queries would see no key (queries are aligned to the end of the keys)")
+    for name, tensor in (like_q or {}).items():
+        require(tensor.shape == q.shape and tensor.dtype == q.dtype,
+                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(q.shape)} {q.dtype}")
+    for name, tensor in (per_query or {}).items():
+        require(tensor.shape == q.shape[:3] and tensor.dtype == accumulator_dtype(q.dtype),
+                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
+                        f"{tuple(q.shape[:3])} {accumulator_dtype(q.dtype)}")
+    check_contiguous(op, q, k, v, *(like_q or {}).values(), *(per_query or {}).values())
+
+
+# --- what every attention kernel shares: the mask and the blocks it leaves ------------------------------
+
+
+@triton.jit
+def _visible(queries, keys, query_length, key_length, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """Which keys each query sees, as ``levels.attention.visible_keys_mask``: ``queries`` and ``keys``
+    are index blocks shaped to broadcast against each other ((M, 1) and (1, N), or transposed)."""
+    visible = keys < key_length
+    if CAUSAL:
+        positions = queries + (key_length - query_length)  # queries are aligned to the end of the keys
+        visible = visible & (keys <= positions)
+        if WINDOWED:
+            visible = visible & (keys > positions - window)
+    return visible
+
+
+@triton.jit
+def _key_block_range(first_query, query_length, key_length, window, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """The keys that the queries first_query … first_query + BLOCK_M − 1 see, as three runs of key
+    blocks: [lo, full_lo) straddles the window's trailing edge (masked), [full_lo, full_hi) is seen
+    whole by every query (no mask), [full_hi, hi) straddles the diagonal or the end of the keys
+    (masked). Blocks outside [lo, hi) are seen by none and skipped."""
+    lo = tl.zeros((), tl.int32)
+    full_lo = lo
+    full_hi = key_length // BLOCK_N * BLOCK_N
+    hi = key_length
+    if CAUSAL:
+        first = first_query + (key_length - query_length)  # positions of the block's first and last query
+        last = tl.minimum(first_query + BLOCK_M, query_length) - 1 + (key_length - query_length)
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N
+        hi = last + 1
+        if WINDOWED:
+            lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+# --- forward -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, window,
+                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, end, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = keys[:, None] * HEAD_DIM + dims[None, :]
+        if MASKED:
+            k = tl.load(K + offsets, mask=(keys < key_length)[:, None], other=0.0)
+        else:
+            k = tl.load(K + offsets)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units
+        if MASKED:
+            scores = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window,
+                                       CAUSAL, WINDOWED), scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A query whose keys so far were all masked still has maximum −inf: shift by 0 there, so that
+        # 2^(−inf − shift) is 0 instead of NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(V + offsets, mask=(keys < key_length)[:, None], other=0.0)
+        else:
+            v = tl.load(V + offsets)
+        # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays float32.
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit(do_not_specialize=["query_length", "key_length", "window"])
+def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, scale_high, scale_low,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    # One flat grid over (query block, batch·head), query blocks fastest: programs running together
+    # share a head, so its k and v are read from DRAM once and then from L2. Causal blocks late in the
+    # sequence visit the most keys, so they go first and the short ones fill the launch's tail.
+    query_blocks = tl.cdiv(query_length, BLOCK_M)
+    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
+    batch_head = (tl.program_id(0) // query_blocks).to(tl.int64)
+    Q += batch_head * query_length * HEAD_DIM
+    Out += batch_head * query_length * HEAD_DIM
+    LSE += batch_head * query_length
+    K += batch_head * key_length * HEAD_DIM
+    V += batch_head * key_length * HEAD_DIM
+
+    queries = first_query + tl.arange(0, BLOCK_M)
+    query_mask = queries < query_length
+    offsets = queries[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)  # stays in registers for the whole loop
+    qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
+    row_sum = tl.zeros((BLOCK_M,), COMPUTE)
+    row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
+
+    lo, full_lo, full_hi, hi = _key_block_range(first_query, query_length, key_length, window, BLOCK_M,
+                                                BLOCK_N, CAUSAL, WINDOWED)
+    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 True, CAUSAL, WINDOWED, DOT_PRECISION)
+    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_lo, full_hi,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 False, CAUSAL, WINDOWED, DOT_PRECISION)
+    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_hi, hi,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 True, CAUSAL, WINDOWED, DOT_PRECISION)
+    # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
+    row_sum = tl.where(query_mask, row_sum, 1.0)
+    out = acc * (1.0 / row_sum)[:, None]
+    tl.store(Out + offsets, out.to(Out.dtype.element_ty), mask=query_mask[:, None])
+    tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
+
+
+def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_attention_shapes("attention_forward", q, k, v, causal, window)
+    check_inputs("attention_forward", q, k, v)
+    batch, heads, query_length, head_dim = q.shape
+    key_length = k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, query_length), dtype=accumulator_dtype(q.dtype), device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
+        return out.zero_(), lse.fill_(float("-inf"))
+    tile = forward_tile(head_dim, q.dtype, causal and window > 0)
+    programs = cdiv(query_length, tile.block_m) * batch * heads
+    with on_device(q), float64_dot_guard(q.dtype):
+        _attention_fwd_kernel[(programs,)](
+            q, k, v, out, lse, query_length, key_length, window, *split_float(scale), HEAD_DIM=head_dim,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal, WINDOWED=causal and window > 0,
+            COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_input_precision(q.dtype),
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out, lse

@@ -1,0 +1,248 @@
+"""Softmax in Triton: forward and backward over the rows of a (rows, N) matrix, as ``triton_kernels`` ops.
+
+What it computes
+    forward    y = exp(x − max x) / Σ exp(x − max x)           per row; subtracting the maximum keeps exp
+                                                               from overflowing and changes nothing else
+    backward   dx = y · (dy − Σ dy·y)                          y saved by the forward, nothing recomputed
+
+Kernels, in the order they run
+    ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
+                                     exp, sum, write once
+    ``_softmax_fwd_online_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 keeps a running maximum and
+                                     a running sum, rescaled whenever the maximum grows (the *online*
+                                     softmax); pass 2 normalises. The row is read twice
+    ``_softmax_bwd_kernel``          dx per row from y and dy in registers
+    ``_softmax_bwd_looped_kernel``   the same for long rows: pass 1 sums dy·y, pass 2 writes dx
+
+The one idea that makes it fast
+    Level 1 makes four passes over memory (max, subtract-and-exp, sum, divide) and allocates the
+    intermediates. Here a program holds its row in registers, so the two reductions and the exps cost
+    no memory traffic: the forward reads x and writes y once, at copy bandwidth. A row too long for
+    registers cannot be normalised before its maximum is known, which is what the online pass solves:
+    the statistics take one read instead of two, the same trick flash attention plays on score tiles.
+
+Launch
+    ``launch.row_tile``, shared with LayerNorm: a row rounded up to a power of two is one block if it
+    fits in 16384 elements; short rows are stacked into tiles of at least 4096 elements; one warp per
+    1024 elements. Longer rows get one program each and are walked in blocks of 4096.
+
+Limits
+    Any N (rows of any length are looped over, never rejected; long rows use one program each, so a
+    few long rows leave most SMs idle), contiguous input. float16, bfloat16, float32 and float64 on
+    the GPU, computed in float32 (float64 for float64); float32 and float64 under the CPU interpreter.
+
+Check
+    python -m pytest tests -k "softmax and triton"
+    python -m profiling --component softmax --shape 8192 8192 --backward
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, on_device, require, row_tile
+
+# --- input checks (launchers and fake implementations) ----------------------------------------------
+
+
+def _check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> None:
+    """x is a (rows, N) matrix; ``like_x`` tensors match it in shape and dtype. All contiguous."""
+    require(x.dim() == 2, lambda: f"{op}: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    for name, tensor in (like_x or {}).items():
+        require(tensor.shape == x.shape and tensor.dtype == x.dtype,
+                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(x.shape)} {x.dtype}")
+    check_contiguous(op, x, *(like_x or {}).values())
+
+
+# --- forward -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_fwd_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+                        COMPUTE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    # Padding reads as −inf: it never wins the maximum and adds exp(−inf) = 0 to the sum. Rows past
+    # n_rows (the last tile's tail) would be all −inf, and −inf − (−inf) is NaN: zeros there instead.
+    x = tl.load(X + offsets, mask=mask, other=float("-inf")).to(COMPUTE)
+    x = tl.where(row_mask[:, None], x, 0.0)
+    numerators = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = numerators * (1.0 / tl.sum(numerators, axis=1))[:, None]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0)
+    X += row.to(tl.int64) * N
+    Y += row.to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    # pass 1: every lane of the block is its own online softmax over the elements it visits: a running
+    # maximum, and a running sum of exp(x − maximum) multiplied by exp(old − new) when the maximum
+    # grows. Lanes need no reduction inside the loop; they are merged once at the end.
+    running_max = tl.full((BLOCK_N,), float("-inf"), COMPUTE)
+    running_sum = tl.zeros((BLOCK_N,), COMPUTE)
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
+        x = tl.load(X + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
+        new_max = tl.maximum(running_max, x)
+        # A lane that has seen only −inf still has maximum −inf: shift by 0 there, so that exp gives 0
+        # instead of exp(−inf − (−inf)) = NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
+        running_max = new_max
+    row_max = tl.max(running_max, axis=0)
+    reciprocal_sum = 1.0 / tl.sum(running_sum * tl.exp(running_max - row_max), axis=0)
+    # pass 2: normalise
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
+        y = tl.exp(x - row_max) * reciprocal_sum
+        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    _check_softmax_shapes("softmax_forward", x)
+    check_inputs("softmax_forward", x)
+    rows, n = x.shape
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    tile = row_tile(n)
+    with on_device(x):
+        if tile.looped:
+            _softmax_fwd_online_kernel[(rows,)](x, y, n, BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
+                                                num_warps=tile.num_warps)
+        else:
+            _softmax_fwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
+                x, y, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+    return y
+
+
+# --- backward ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_bwd_kernel(DY, Y, DX, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+                        COMPUTE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    y = tl.load(Y + offsets, mask=mask, other=0.0).to(COMPUTE)
+    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
+    dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
+    tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped_kernel(DY, Y, DX, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    offset = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    # pass 1: Σ dy·y, lane by lane (evict_last: pass 2 reads y and dy again)
+    dot = tl.zeros((BLOCK_N,), COMPUTE)
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        y = tl.load(Y + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+        dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+        dot += dy * y
+    row_dot = tl.sum(dot, axis=0)
+    # pass 2: dx
+    for start in range(0, N, BLOCK_N):
+        mask = start + cols < N
+        y = tl.load(Y + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
+        dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
+        tl.store(DX + offset + start + cols, (y * (dy - row_dot)).to(DX.dtype.element_ty), mask=mask)
+
+
+def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
+    check_inputs("softmax_backward", grad_out, y)
+    rows, n = y.shape
+    grad_x = torch.empty_like(y)
+    if y.numel() == 0:
+        return grad_x
+    tile = row_tile(n)
+    with on_device(y):
+        if tile.looped:
+            _softmax_bwd_looped_kernel[(rows,)](grad_out, y, grad_x, n, BLOCK_N=tile.block_n,
+                                                COMPUTE=compute_dtype(y.dtype), num_warps=tile.num_warps)
+        else:
+            _softmax_bwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
+                grad_out, y, grad_x, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                COMPUTE=compute_dtype(y.dtype), num_warps=tile.num_warps)
+    return grad_x
+
+
+# --- registration: op, fake (shape-only), autograd ------------------------------------------------------
+
+
+@torch.library.custom_op("triton_kernels::softmax_forward", mutates_args=())
+def softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    return launch_softmax_fwd(x)
+
+
+@softmax_forward.register_fake
+def _softmax_forward_fake(x):
+    _check_softmax_shapes("softmax_forward", x)
+    return torch.empty_like(x)
+
+
+def _softmax_forward_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)  # the backward needs y only, not x
+
+
+def _softmax_forward_backward(ctx, grad_out):
+    if not ctx.needs_input_grad[0]:
+        return None
+    (y,) = ctx.saved_tensors
+    # Autograd may hand us a broadcast (stride-0) gradient, e.g. from y.sum().backward().
+    return softmax_backward(grad_out.contiguous(), y)
+
+
+softmax_forward.register_autograd(_softmax_forward_backward, setup_context=_softmax_forward_setup_context)
+
+
+@torch.library.custom_op("triton_kernels::softmax_backward", mutates_args=())
+def softmax_backward(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return launch_softmax_bwd(grad_out, y)
+
+
+@softmax_backward.register_fake
+def _softmax_backward_fake(grad_out, y):
+    _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
+    return torch.empty_like(y)
+
+
+# --- what the levels call ------------------------------------------------------------------------------
+
+
+class _SoftmaxEager(torch.autograd.Function):
+    """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = launch_softmax_fwd(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        (y,) = ctx.saved_tensors
+        return launch_softmax_bwd(grad_out.contiguous(), y)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of the (rows, N) matrix ``x`` by our kernels, differentiable.
+    torch.compile sees the registered op."""
+    if torch.compiler.is_compiling():
+        return softmax_forward(x)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return launch_softmax_fwd(x)  # no gradient wanted: skip autograd's bookkeeping
+    return _SoftmaxEager.apply(x)
