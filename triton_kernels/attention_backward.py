@@ -50,8 +50,7 @@ from .attention_forward import (
     _key_block_range,
     _visible,
     check_attention_shapes,
-    float64_dot_guard,
-    forward_tile,
+    wide_float_tile,
 )
 from .launch import accumulator_dtype, cdiv, check_inputs, compute_dtype, dot_input_precision, on_device, split_float
 
@@ -78,8 +77,7 @@ DELTA_ROWS = 64
 def backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardTiles:
     if dtype.itemsize == 2:
         return BACKWARD_TILES[head_dim]
-    small = forward_tile(head_dim, dtype)
-    return BackwardTiles(small, small)
+    return BackwardTiles(wide_float_tile(head_dim), wide_float_tile(head_dim))
 
 
 @triton.jit
@@ -148,10 +146,10 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
         if MASKED:
             p_t = tl.where(_visible(queries[None, :], keys[:, None], query_length, key_length, window,
                                     CAUSAL, WINDOWED), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=dk.dtype)
     return dk, dv
 
 
@@ -222,7 +220,7 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, q
                                   WINDOWED), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION, out_dtype=dq.dtype)
     return dq
 
 
@@ -282,7 +280,7 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
                   DOT_PRECISION=dot_input_precision(q.dtype))
     scale_halves = split_float(scale)
-    with on_device(q), float64_dot_guard(q.dtype):
+    with on_device(q):
         _attention_bwd_delta_kernel[(cdiv(delta.numel(), DELTA_ROWS),)](
             out, grad_out, delta, delta.numel(), HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_ROWS,
             COMPUTE=compute_dtype(q.dtype), num_warps=4)
