@@ -1,16 +1,20 @@
 """Level 4: hand-written Triton kernels, forward and backward, registered as ``torch.ops.triton_kernels``.
 
-    swish(x, beta)                       -> y                      (triton_kernels/swish.py)
-    layer_norm(x2d, weight, bias, eps)   -> y                      (triton_kernels/layer_norm.py)
+    swish(x, beta)                             -> y     (triton_kernels/swish.py)
+    layer_norm(x2d, weight, bias, eps)         -> y     (triton_kernels/layer_norm.py)
+    softmax(x2d)                               -> y     (triton_kernels/softmax.py)
+    attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
+                                                         kernels in attention_forward.py, attention_backward.py)
 
 Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
-``layer_norm_forward`` and ``layer_norm_backward``, each with a fake (shape-only) implementation for
+``layer_norm_forward``, ``layer_norm_backward``, ``softmax_forward``, ``softmax_backward``,
+``attention_forward`` and ``attention_backward``, each with a fake (shape-only) implementation for
 torch.compile and an autograd formula. On a machine without a GPU the same kernels run through
 Triton's interpreter, on CPU tensors: correct, and slow.
 
-Two doors to the same launchers. Under torch.compile, ``swish`` and ``layer_norm`` call the
-registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
-through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
+Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax`` and
+``attention`` call the registered ops, which is what lets Inductor place our kernels in its graph.
+Called eagerly, they go through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
 launcher): a custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and
 at 8192 × 8192 in bfloat16 the GPU finishes these kernels before the host has launched the next
 ones. Measured on an H100 machine, Swish forward + backward took 501 µs through the Function and

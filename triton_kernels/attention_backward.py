@@ -28,7 +28,13 @@ The one idea that makes it fast
 
 Launch
     ``backward_tiles``: per head dim, measured on an H100 (see BACKWARD_TILES). float32 and float64
-    take the forward's small tiles.
+    take the forward's ``wide_float_tile`` for both kernels.
+
+Measured (H100 80GB HBM3, Triton 3.6, bfloat16, causal, batch 4, 16 heads, seq 4096, head_dim 128)
+    dk, dv 1.55 ms (356 TFLOP/s of its four matmuls), dq 0.79 ms (525 TFLOP/s of its three); forward
+    and backward through autograd 2.99 ms against 3.61 ms for PyTorch SDPA on its flash backend
+    (×1.21). Two runs of the backward give identical bits.
+    head_dim 64, 32, 16: forward + backward 1.62, 1.13, 0.89 ms; SDPA flash 2.07, 1.41, 1.49 ms.
 
 Limits
     As the forward: head_dim 16, 32, 64, 128; any lengths; float16, bfloat16, float32, float64 on the
@@ -48,6 +54,10 @@ from .attention_forward import (
     LOG2E,
     AttentionTile,
     _key_block_range,
+    _load_per_query,
+    _load_rows,
+    _query_block_of_program,
+    _store_rows,
     _visible,
     check_attention_shapes,
     wide_float_tile,
@@ -61,14 +71,16 @@ class BackwardTiles(NamedTuple):
 
 
 BACKWARD_TILES = {
-    16: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
-    32: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
-    64: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 2)),
+    16: BackwardTiles(AttentionTile(32, 128, 4, 3), AttentionTile(64, 64, 4, 3)),
+    32: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
+    64: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
     128: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
 }
-"""Backward tiles for float16 and bfloat16, per head dim. A dk, dv program holds two float32
-(block_n, head_dim) accumulators besides k and v: at head_dim 128 that caps the key block at 64
-keys before registers spill."""
+"""Backward tiles for float16 and bfloat16, per head dim, measured on an H100 (batch 4, 16 heads,
+seq 4096, causal, bfloat16). A dk, dv program holds two float32 (block_n, head_dim) accumulators
+besides k and v, so its key block stays at 64 (128 at head_dim 16) and its query steps are small:
+at head_dim 128, (32 queries, 64 keys, 4 warps) ran 1.55 ms, 8 warps 3.58 ms, 64-query steps 2.55 ms.
+The dq program is the forward's shape: 128 queries (64 below head_dim 64) against 64-key blocks."""
 
 DELTA_ROWS = 64
 """Queries per program of the δ kernel: 64 rows of do and o, 16 KB at head_dim 128 in 16 bits."""
@@ -126,21 +138,13 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
                               DOT_PRECISION: tl.constexpr):
     """Add the query blocks start … end into a key block's dk and dv. Tiles are (keys, queries):
     transposed, so that the sums over queries are matmuls that land in dk and dv directly."""
-    dims = tl.arange(0, HEAD_DIM)
     for block_start in range(start, end, BLOCK_M):
         queries = block_start + tl.arange(0, BLOCK_M)
-        offsets = queries[:, None] * HEAD_DIM + dims[None, :]
-        if MASKED:  # rows past query_length read as q = do = 0, so they add nothing to dk and dv
-            query_mask = queries < query_length
-            q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)
-            do = tl.load(DOut + offsets, mask=query_mask[:, None], other=0.0)
-            lse = tl.load(LSE + queries, mask=query_mask, other=0.0)
-            delta = tl.load(Delta + queries, mask=query_mask, other=0.0)
-        else:
-            q = tl.load(Q + offsets)
-            do = tl.load(DOut + offsets)
-            lse = tl.load(LSE + queries)
-            delta = tl.load(Delta + queries)
+        # rows past query_length read as q = do = 0, so they add nothing to dk and dv
+        q = _load_rows(Q, queries, query_length, HEAD_DIM, MASKED)
+        do = _load_rows(DOut, queries, query_length, HEAD_DIM, MASKED)
+        lse = _load_per_query(LSE, queries, query_length, MASKED)
+        delta = _load_per_query(Delta, queries, query_length, MASKED)
         # pᵀ rebuilt from the saved log-sum-exp, in base 2 as the forward computed it
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - (lse * LOG2E)[None, :])
         if MASKED:
@@ -173,10 +177,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     DV += batch_head * key_length * HEAD_DIM
 
     keys = first_key + tl.arange(0, BLOCK_N)
-    key_mask = keys < key_length
-    offsets = keys[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(K + offsets, mask=key_mask[:, None], other=0.0)
-    v = tl.load(V + offsets, mask=key_mask[:, None], other=0.0)
+    k = _load_rows(K, keys, key_length, HEAD_DIM, True)
+    v = _load_rows(V, keys, key_length, HEAD_DIM, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
@@ -192,8 +194,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_hi, hi, query_length,
                                        key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
                                        WINDOWED, DOT_PRECISION)
-    tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=key_mask[:, None])
-    tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=key_mask[:, None])
+    _store_rows(DK, keys, key_length, dk * scale, HEAD_DIM)
+    _store_rows(DV, keys, key_length, dv, HEAD_DIM)
 
 
 # --- dq: a program per query block --------------------------------------------------------------------
@@ -204,16 +206,10 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, q
                             qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the key blocks start … end into a query block's dq."""
-    dims = tl.arange(0, HEAD_DIM)
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = keys[:, None] * HEAD_DIM + dims[None, :]
-        if MASKED:
-            k = tl.load(K + offsets, mask=(keys < key_length)[:, None], other=0.0)
-            v = tl.load(V + offsets, mask=(keys < key_length)[:, None], other=0.0)
-        else:
-            k = tl.load(K + offsets)
-            v = tl.load(V + offsets)
+        k = _load_rows(K, keys, key_length, HEAD_DIM, MASKED)
+        v = _load_rows(V, keys, key_length, HEAD_DIM, MASKED)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
@@ -229,10 +225,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
                              scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
-    # The forward's grid and order: late (long) causal query blocks first.
-    query_blocks = tl.cdiv(query_length, BLOCK_M)
-    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
-    batch_head = (tl.program_id(0) // query_blocks).to(tl.int64)
+    first_query, batch_head = _query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
     Q += batch_head * query_length * HEAD_DIM
     DOut += batch_head * query_length * HEAD_DIM
     DQ += batch_head * query_length * HEAD_DIM
@@ -242,12 +235,10 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
     V += batch_head * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    query_mask = queries < query_length
-    offsets = queries[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)
-    do = tl.load(DOut + offsets, mask=query_mask[:, None], other=0.0)
-    lse2 = tl.load(LSE + queries, mask=query_mask, other=0.0) * LOG2E
-    delta = tl.load(Delta + queries, mask=query_mask, other=0.0)
+    q = _load_rows(Q, queries, query_length, HEAD_DIM, True)
+    do = _load_rows(DOut, queries, query_length, HEAD_DIM, True)
+    lse2 = _load_per_query(LSE, queries, query_length, True) * LOG2E
+    delta = _load_per_query(Delta, queries, query_length, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
 
@@ -259,7 +250,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
                                  window, scale * LOG2E, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_hi, hi, query_length, key_length,
                                  window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    tl.store(DQ + offsets, (dq * scale).to(DQ.dtype.element_ty), mask=query_mask[:, None])
+    _store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM)
 
 
 # --- launcher ------------------------------------------------------------------------------------------

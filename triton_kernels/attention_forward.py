@@ -30,8 +30,20 @@ The one idea that makes it fast
 
 Launch
     ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
-    FORWARD_TILES); float32 and float64 take smaller tiles, as their products run on the CUDA cores
-    and their tiles take two and four times the registers and shared memory.
+    FORWARD_TILES); float32 and float64 take smaller tiles (``wide_float_tile``), as their products
+    run on the CUDA cores or the float64 tensor cores with operands held in registers.
+
+Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medians)
+    bfloat16, seq 4096, head_dim 128: 0.65 ms, 420 TFLOP/s. PyTorch SDPA on its flash backend takes
+    0.89 ms (ours ×1.37), level 1, which materialises the scores, 11.7 ms (×18). head_dim 64, 32,
+    16: 0.39, 0.32, 0.27 ms against SDPA flash's 0.52, 0.37, 0.42 ms.
+    bfloat16, seq 16384, head_dim 128: causal 9.1 ms (482 TFLOP/s), window 1024 1.6 ms (×5.5).
+    The window runs at ~330 TFLOP/s: each program visits only ~19 key blocks, so filling and
+    draining its load pipeline weighs more than over the 128 blocks of an average causal row.
+    A single key loop with the mask on a run-time branch, instead of the three runs of key blocks,
+    measured 2-5 % slower for causal attention and within noise for the window.
+    float32 and float64 (seq 1024): 3.1 and 2.0 ms, 5.5 and 8.8 TFLOP/s (CUDA cores, float64
+    tensor cores).
 
 Limits
     head_dim 16, 32, 64, 128; any sequence lengths (the last blocks are masked); float16, bfloat16,
@@ -90,13 +102,8 @@ At head_dim 128: (128, 64, 8 warps, 3 stages) 0.658 ms; 4 stages 0.665; 2 stages
 no longer hide behind the matmuls); 128-key blocks 0.688; 64 queries and 4 warps 0.725."""
 
 
-SLIDING_WINDOW_TILES = dict(FORWARD_TILES)
-
-
-def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
-    if dtype.itemsize == 2:
-        return (SLIDING_WINDOW_TILES if windowed else FORWARD_TILES)[head_dim]
-    return wide_float_tile(head_dim)
+def forward_tile(head_dim: int, dtype: torch.dtype) -> AttentionTile:
+    return FORWARD_TILES[head_dim] if dtype.itemsize == 2 else wide_float_tile(head_dim)
 
 
 def wide_float_tile(head_dim: int) -> AttentionTile:
@@ -127,6 +134,8 @@ def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
             lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
                     f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
     require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
+    require(causal or window == 0, lambda: f"{op}: a sliding window (here {window}) looks back from each query, "
+                                           f"so it needs causal=True")
     require(not causal or q.shape[2] <= k.shape[2],
             lambda: f"{op}: causal attention with {q.shape[2]} queries but only {k.shape[2]} keys: the first "
                     f"queries would see no key (queries are aligned to the end of the keys)")
@@ -140,7 +149,48 @@ def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
     check_contiguous(op, q, k, v, *(like_q or {}).values(), *(per_query or {}).values())
 
 
-# --- what every attention kernel shares: the mask and the blocks it leaves ------------------------------
+# --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
+
+
+@triton.jit
+def _query_block_of_program(query_length, BLOCK_M: tl.constexpr):
+    """(first query, batch·head) of this program in a flat grid over (query block, batch·head), query
+    blocks fastest: programs running together share a head, so its k and v are read from DRAM once and
+    then from L2. Causal blocks late in the sequence visit the most keys, so they go first and the
+    short ones fill the launch's tail."""
+    query_blocks = tl.cdiv(query_length, BLOCK_M)
+    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
+    return first_query, (tl.program_id(0) // query_blocks).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one tile. MASKED: rows past row_count read
+    as 0; blocks known to lie inside skip the compare and load as plain 16-byte copies."""
+    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        tile = tl.load(Base + offsets, mask=(rows < row_count)[:, None], other=0.0)
+    else:
+        tile = tl.load(Base + offsets)
+    return tile
+
+
+@triton.jit
+def _store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr):
+    """Write ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype; rows past
+    row_count are skipped."""
+    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(Base + offsets, tile.to(Base.dtype.element_ty), mask=(rows < row_count)[:, None])
+
+
+@triton.jit
+def _load_per_query(Base, queries, query_length, MASKED: tl.constexpr):
+    """A per-query statistic (lse, δ) at ``queries``; past query_length it reads 0 when MASKED."""
+    if MASKED:
+        values = tl.load(Base + queries, mask=queries < query_length, other=0.0)
+    else:
+        values = tl.load(Base + queries)
+    return values
 
 
 @triton.jit
@@ -188,14 +238,9 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
                          qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block."""
-    dims = tl.arange(0, HEAD_DIM)
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = keys[:, None] * HEAD_DIM + dims[None, :]
-        if MASKED:
-            k = tl.load(K + offsets, mask=(keys < key_length)[:, None], other=0.0)
-        else:
-            k = tl.load(K + offsets)
+        k = _load_rows(K, keys, key_length, HEAD_DIM, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units
         if MASKED:
             scores = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window,
@@ -207,10 +252,7 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
         p = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        if MASKED:
-            v = tl.load(V + offsets, mask=(keys < key_length)[:, None], other=0.0)
-        else:
-            v = tl.load(V + offsets)
+        v = _load_rows(V, keys, key_length, HEAD_DIM, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
         # the compute precision (out_dtype: a float64 accumulator must say so, tl.dot's default is float32).
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
@@ -223,12 +265,7 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
-    # One flat grid over (query block, batch·head), query blocks fastest: programs running together
-    # share a head, so its k and v are read from DRAM once and then from L2. Causal blocks late in the
-    # sequence visit the most keys, so they go first and the short ones fill the launch's tail.
-    query_blocks = tl.cdiv(query_length, BLOCK_M)
-    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
-    batch_head = (tl.program_id(0) // query_blocks).to(tl.int64)
+    first_query, batch_head = _query_block_of_program(query_length, BLOCK_M)
     Q += batch_head * query_length * HEAD_DIM
     Out += batch_head * query_length * HEAD_DIM
     LSE += batch_head * query_length
@@ -236,9 +273,7 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
     V += batch_head * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    query_mask = queries < query_length
-    offsets = queries[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    q = tl.load(Q + offsets, mask=query_mask[:, None], other=0.0)  # stays in registers for the whole loop
+    q = _load_rows(Q, queries, query_length, HEAD_DIM, True)  # stays on chip for the whole loop
     qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
     acc = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
@@ -256,9 +291,9 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
                                                  query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
                                                  True, CAUSAL, WINDOWED, DOT_PRECISION)
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
+    query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)
-    out = acc * (1.0 / row_sum)[:, None]
-    tl.store(Out + offsets, out.to(Out.dtype.element_ty), mask=query_mask[:, None])
+    _store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM)
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
@@ -274,7 +309,7 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         return out, lse
     if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
         return out.zero_(), lse.fill_(float("-inf"))
-    tile = forward_tile(head_dim, q.dtype, causal and window > 0)
+    tile = forward_tile(head_dim, q.dtype)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
         _attention_fwd_kernel[(programs,)](

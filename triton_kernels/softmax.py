@@ -26,6 +26,13 @@ Launch
     fits in 16384 elements; short rows are stacked into tiles of at least 4096 elements; one warp per
     1024 elements. Longer rows get one program each and are walked in blocks of 4096.
 
+Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
+    8192 × 8192 float32: forward 183 µs, 2.94 TB/s (99 % of copy; torch.softmax 1.84 TB/s), backward
+    2.99 TB/s. bfloat16: forward 2.85 TB/s (96 %), backward 2.91 TB/s.
+    64 rows of 300000 (online kernels): forward 0.90 TB/s, backward 0.97 TB/s: 64 programs on 132
+    SMs, each walking its row alone. Splitting each row over several programs (partial maxima and
+    sums in a first launch, merged in a second) would fill the GPU; it is not done here.
+
 Limits
     Any N (rows of any length are looped over, never rejected; long rows use one program each, so a
     few long rows leave most SMs idle), contiguous input. float16, bfloat16, float32 and float64 on
