@@ -1,13 +1,17 @@
 """Level 5: hand-written CUDA kernels and their C++ CPU twins, registered as ``torch.ops.cuda_kernels``.
 
-    swish(x, beta)                       -> y     (cuda_kernels/swish.cu,      swish_cpu.cpp)
-    layer_norm(x2d, weight, bias, eps)   -> y     (cuda_kernels/layer_norm.cu, layer_norm_cpu.cpp)
+    swish(x, beta)                            -> y  (cuda_kernels/swish.cu,      swish_cpu.cpp)
+    layer_norm(x2d, weight, bias, eps)        -> y  (cuda_kernels/layer_norm.cu, layer_norm_cpu.cpp)
+    softmax(x2d)                              -> y  (cuda_kernels/softmax.cu,    softmax_cpu.cpp)
+    attention(q, k, v, causal, window, scale) -> o  (cuda_kernels/attention_forward.cu and
+                                                     attention_backward.cu,   attention_cpu.cpp)
 
 Importing this package compiles the extension the first time (``torch.utils.cpp_extension.load``:
 ninja, then cached in PyTorch's extensions folder, so later imports only load it) and registers, for
-each of the ops ``swish_forward``, ``swish_backward``, ``layer_norm_forward`` and
-``layer_norm_backward``, a fake (shape-only) implementation for torch.compile and, for the forward
-ops, an autograd formula that calls the backward op. The schemas and the CPU/CUDA kernels themselves
+each op (``swish_forward``, ``swish_backward``, ``layer_norm_forward``, ``layer_norm_backward``,
+``softmax_forward``, ``softmax_backward``, ``attention_forward``, ``attention_backward``) a fake
+(shape-only) implementation for torch.compile and, for the forward ops, an autograd formula that
+calls the backward op. The schemas and the CPU/CUDA kernels themselves
 are registered in C++ (``ops.cpp``).
 
 The CUDA sources are compiled only when this PyTorch was built with CUDA, a GPU is visible and nvcc
@@ -25,9 +29,9 @@ import torch
 from levels.spec import LevelUnavailableError
 
 _HERE = Path(__file__).resolve().parent
-_CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp")
-_CUDA_SOURCES = ("swish.cu", "layer_norm.cu")
-_HEADERS = ("kernels.h", "common.cuh", "cpu_common.h")
+_CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp", "softmax_cpu.cpp", "attention_cpu.cpp")
+_CUDA_SOURCES = ("swish.cu", "layer_norm.cu", "softmax.cu")
+_HEADERS = ("kernels.h", "common.cuh", "cpu_common.h", "attention_mask.h")
 
 # -O3 for vectorisation; -march=native because the extension is always built on the machine that runs
 # it (PyTorch's cache lives in the user's home); -fno-math-errno and -fno-trapping-math tell gcc that
@@ -188,10 +192,81 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
     return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
 
 
+# --- softmax over the rows of a (rows, N) matrix -----------------------------------------------------
+
+
+def _softmax_forward_fake(x):
+    torch._check(x.dim() == 2, lambda: f"cuda_kernels::softmax_forward: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    _check_contiguous("softmax_forward", x)
+    return torch.empty_like(x)
+
+
+def _softmax_forward_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)  # y, not x: dx = y * (dy - sum(dy * y)) needs nothing else
+
+
+def _softmax_forward_backward(ctx, grad_out):
+    (y,) = ctx.saved_tensors
+    return torch.ops.cuda_kernels.softmax_backward(grad_out.contiguous(), y)
+
+
+def _softmax_backward_fake(grad_out, y):
+    torch._check(y.dim() == 2, lambda: f"cuda_kernels::softmax_backward: y must be a (rows, N) matrix, got shape {tuple(y.shape)}")
+    torch._check(grad_out.shape == y.shape, lambda: "cuda_kernels::softmax_backward: grad_out and y differ in shape")
+    _check_contiguous("softmax_backward", grad_out, y)
+    return torch.empty_like(y)
+
+
+# --- attention: o = softmax(q k^T * scale + mask) v over (B, H, L, D) tensors ---------------------------
+
+
+def _check_attention(op: str, q, k, v, causal, **like_q: torch.Tensor) -> None:
+    torch._check(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape and q.shape[:2] == k.shape[:2]
+                 and q.shape[3] == k.shape[3],
+                 lambda: f"cuda_kernels::{op}: expected q (B, H, Lq, D) and k, v (B, H, Lk, D), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    torch._check(not causal or q.shape[2] <= k.shape[2],
+                 lambda: f"cuda_kernels::{op}: causal attention with {q.shape[2]} queries but only {k.shape[2]} keys")
+    for name, tensor in like_q.items():
+        torch._check(tensor.shape == q.shape, lambda: f"cuda_kernels::{op}: {name} and q differ in shape")
+    _check_contiguous(op, q, k, v, *like_q.values())
+
+
+def _attention_forward_fake(q, k, v, causal, window, scale):
+    _check_attention("attention_forward", q, k, v, causal)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_statistics_dtype(q.dtype))
+
+
+def _attention_forward_setup_context(ctx, inputs, output):
+    q, k, v, causal, window, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)  # lse, not the probabilities: the backward recomputes them
+    ctx.mask_and_scale = (causal, window, scale)
+
+
+def _attention_forward_backward(ctx, grad_out, grad_lse):
+    # lse is an output only so that it can be saved for this backward: its gradient is ignored.
+    needs_q, needs_k, needs_v = ctx.needs_input_grad[:3]
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.cuda_kernels.attention_backward(grad_out.contiguous(), q, k, v, out, lse,
+                                                                       *ctx.mask_and_scale)
+    return (grad_q if needs_q else None, grad_k if needs_k else None, grad_v if needs_v else None, None, None, None)
+
+
+def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, window, scale):
+    _check_attention("attention_backward", q, k, v, causal, grad_out=grad_out, out=out)
+    torch._check(lse.shape == q.shape[:3], lambda: "cuda_kernels::attention_backward: lse must be (B, H, Lq)")
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 _register("swish_forward", _swish_forward_fake, _swish_forward_backward, _swish_forward_setup_context)
 _register("swish_backward", _swish_backward_fake)
 _register("layer_norm_forward", _layer_norm_forward_fake, _layer_norm_forward_backward, _layer_norm_forward_setup_context)
 _register("layer_norm_backward", _layer_norm_backward_fake)
+_register("softmax_forward", _softmax_forward_fake, _softmax_forward_backward, _softmax_forward_setup_context)
+_register("softmax_backward", _softmax_backward_fake)
+_register("attention_forward", _attention_forward_fake, _attention_forward_backward, _attention_forward_setup_context)
+_register("attention_backward", _attention_backward_fake)
 
 
 # --- what the levels call ------------------------------------------------------------------------------
@@ -210,4 +285,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return torch.ops.cuda_kernels.layer_norm_forward(x, weight, bias, float(eps))[0]
 
 
-__all__ = ["layer_norm", "swish"]
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax of each row of the (rows, N) matrix ``x`` by our kernels, differentiable."""
+    _require_kernels_for(x)
+    return torch.ops.cuda_kernels.softmax_forward(x)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+              scale: float) -> torch.Tensor:
+    """Flash attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) by our kernels, differentiable
+    (``window`` 0: none); returns only the output (the saved lse stays inside the autograd graph)."""
+    _require_kernels_for(q)
+    return torch.ops.cuda_kernels.attention_forward(q, k, v, bool(causal), int(window), float(scale))[0]
+
+
+__all__ = ["attention", "layer_norm", "softmax", "swish"]

@@ -17,7 +17,18 @@ namespace kernel_ladder {
 
 enum class DType { Float32, Float64, Float16, BFloat16 };
 
-// --- CUDA launchers (swish.cu, layer_norm.cu): enqueue on `stream` and return without waiting. -----
+// One attention call: q is (batch_heads, query_length, head_dim), k and v (batch_heads, key_length,
+// head_dim). Query i sits at key position i + key_length - query_length; `causal` lets it see keys at
+// or before that position, `window` > 0 only the `window` most recent of them (attention_mask.h).
+struct AttentionShape {
+  int64_t batch_heads, query_length, key_length, head_dim;
+  bool causal;
+  int64_t window;
+  double scale;  // multiplies q.k
+};
+
+// --- CUDA launchers (swish.cu, layer_norm.cu, softmax.cu, attention_forward.cu, attention_backward.cu) ---
+// They enqueue on `stream` and return without waiting.
 // The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
 
 // y = x * sigmoid(beta * x)
@@ -41,7 +52,24 @@ void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x
                                 void* grad_bias, void* workspace, int64_t partial_rows, int64_t rows,
                                 int64_t n, void* stream);
 
-// --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp): OpenMP, float32 and float64 only. -----------
+// softmax over each row of x (rows, n).
+void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, void* stream);
+// grad_x = y * (grad_out - sum(grad_out * y)) row by row.
+void launch_softmax_backward(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n,
+                             void* stream);
+
+// out = softmax(q k^T * scale + mask) v; lse (batch_heads, query_length) = log of each softmax's
+// denominator, max included (natural log, in the accumulator type). head_dim is 16, 32, 64 or 128.
+void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
+                              void* out, void* lse, void* stream);
+// grad_q, grad_k, grad_v in `dtype`. `workspace` is scratch for batch_heads * query_length accumulator
+// values (delta = rowsum(grad_out * out)).
+void launch_attention_backward(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
+                               const void* k, const void* v, const void* out, const void* lse, void* grad_q,
+                               void* grad_k, void* grad_v, void* workspace, void* stream);
+
+// --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp, softmax_cpu.cpp, attention_cpu.cpp) ------------
+// OpenMP, float32 and float64 only.
 
 void swish_forward_cpu(DType dtype, const void* x, void* y, int64_t numel, double beta);
 void swish_backward_cpu(DType dtype, const void* grad_out, const void* x, void* grad_x, int64_t numel,
@@ -51,5 +79,13 @@ void layer_norm_forward_cpu(DType dtype, const void* x, const void* weight, cons
 void layer_norm_backward_cpu(DType dtype, const void* grad_out, const void* x, const void* weight,
                              const void* mean, const void* rstd, void* grad_x, void* grad_weight,
                              void* grad_bias, int64_t rows, int64_t n);
+
+void softmax_forward_cpu(DType dtype, const void* x, void* y, int64_t rows, int64_t n);
+void softmax_backward_cpu(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n);
+void attention_forward_cpu(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
+                           void* out, void* lse);
+void attention_backward_cpu(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
+                            const void* k, const void* v, const void* out, const void* lse, void* grad_q,
+                            void* grad_k, void* grad_v);
 
 }  // namespace kernel_ladder

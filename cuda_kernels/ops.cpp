@@ -166,12 +166,126 @@ TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x
   return {grad_x, grad_weight, grad_bias};
 }
 
+// x of softmax: a (rows, N) matrix; rows of 0 elements give empty outputs.
+void check_softmax_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, N) matrix, got shape ", x.sizes());
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "cuda_kernels::", op, ": at most 2^31 - 1 rows (one CUDA block each), got ", x.size(0));
+}
+
+at::Tensor softmax_forward(const at::Tensor& x) {
+  const char* op = "softmax_forward";
+  check_softmax_rows(op, x);
+  const DType dtype = kernel_dtype(op, x);
+  check_argument(op, "x", x, x, x.scalar_type(), x.sizes());
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return y;
+  const int64_t rows = x.size(0), n = x.size(1);
+  run_on_device_of(
+      x, [&](void* stream) { launch_softmax_forward(dtype, x.const_data_ptr(), y.mutable_data_ptr(), rows, n, stream); },
+      [&] { softmax_forward_cpu(dtype, x.const_data_ptr(), y.mutable_data_ptr(), rows, n); });
+  return y;
+}
+
+at::Tensor softmax_backward(const at::Tensor& grad_out, const at::Tensor& y) {
+  const char* op = "softmax_backward";
+  check_softmax_rows(op, y);
+  const DType dtype = kernel_dtype(op, y);
+  check_argument(op, "y", y, y, y.scalar_type(), y.sizes());
+  check_argument(op, "grad_out", grad_out, y, y.scalar_type(), y.sizes());
+  at::Tensor grad_x = at::empty(y.sizes(), y.options());
+  if (y.numel() == 0) return grad_x;
+  const int64_t rows = y.size(0), n = y.size(1);
+  run_on_device_of(
+      y,
+      [&](void* stream) {
+        launch_softmax_backward(dtype, grad_out.const_data_ptr(), y.const_data_ptr(), grad_x.mutable_data_ptr(), rows, n, stream);
+      },
+      [&] { softmax_backward_cpu(dtype, grad_out.const_data_ptr(), y.const_data_ptr(), grad_x.mutable_data_ptr(), rows, n); });
+  return grad_x;
+}
+
+// q (B, H, Lq, D), k and v (B, H, Lk, D), one dtype and device, contiguous; D one of the kernels' tile
+// widths; causal attention needs Lq <= Lk (queries are aligned to the end of the keys).
+AttentionShape attention_shape(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                               int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 4, "cuda_kernels::", op, ": q must be (batch, heads, seq, head_dim), got shape ", q.sizes());
+  const int64_t batch = q.size(0), heads = q.size(1), lq = q.size(2), d = q.size(3);
+  const int64_t lk = k.dim() == 4 ? k.size(2) : -1;
+  check_argument(op, "q", q, q, q.scalar_type(), {batch, heads, lq, d});
+  check_argument(op, "k", k, q, q.scalar_type(), {batch, heads, lk, d});
+  check_argument(op, "v", v, q, q.scalar_type(), {batch, heads, lk, d});
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
+              " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
+  TORCH_CHECK(!causal || lq <= lk, "cuda_kernels::", op, ": causal attention with ", lq, " queries but only ", lk,
+              " keys (queries are aligned to the end of the keys)");
+  TORCH_CHECK(lk >= 1 || lq == 0 || batch * heads == 0, "cuda_kernels::", op, ": ", lq, " queries and no key to attend to");
+  TORCH_CHECK(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
+  return AttentionShape{batch * heads, lq, lk, d, causal, window, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     bool causal, int64_t window, double scale) {
+  const char* op = "attention_forward";
+  const DType dtype = kernel_dtype(op, q);
+  const AttentionShape shape = attention_shape(op, q, k, v, causal, window, scale);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(statistics_dtype(q)));
+  if (out.numel() == 0) return {out, lse};  // no 0-block launch
+  run_on_device_of(
+      q,
+      [&](void* stream) {
+        launch_attention_forward(dtype, shape, q.const_data_ptr(), k.const_data_ptr(), v.const_data_ptr(),
+                                 out.mutable_data_ptr(), lse.mutable_data_ptr(), stream);
+      },
+      [&] {
+        attention_forward_cpu(dtype, shape, q.const_data_ptr(), k.const_data_ptr(), v.const_data_ptr(),
+                              out.mutable_data_ptr(), lse.mutable_data_ptr());
+      });
+  return {out, lse};
+}
+
+TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& out, const at::Tensor& lse, bool causal, int64_t window, double scale) {
+  const char* op = "attention_backward";
+  const DType dtype = kernel_dtype(op, q);
+  const AttentionShape shape = attention_shape(op, q, k, v, causal, window, scale);
+  check_argument(op, "grad_out", grad_out, q, q.scalar_type(), q.sizes());
+  check_argument(op, "out", out, q, q.scalar_type(), q.sizes());
+  check_argument(op, "lse", lse, q, statistics_dtype(q), {q.size(0), q.size(1), q.size(2)});
+  if (q.numel() == 0 || k.numel() == 0) {  // nothing to launch; keys no query sees get zero gradients
+    return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options())};
+  }
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  run_on_device_of(
+      q,
+      [&](void* stream) {
+        // delta = rowsum(grad_out * out), one accumulator value per query, from PyTorch's caching allocator.
+        at::Tensor workspace = at::empty({shape.batch_heads * shape.query_length}, lse.options());
+        launch_attention_backward(dtype, shape, grad_out.const_data_ptr(), q.const_data_ptr(), k.const_data_ptr(),
+                                  v.const_data_ptr(), out.const_data_ptr(), lse.const_data_ptr(),
+                                  grad_q.mutable_data_ptr(), grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr(),
+                                  workspace.mutable_data_ptr(), stream);
+      },
+      [&] {
+        attention_backward_cpu(dtype, shape, grad_out.const_data_ptr(), q.const_data_ptr(), k.const_data_ptr(),
+                               v.const_data_ptr(), out.const_data_ptr(), lse.const_data_ptr(), grad_q.mutable_data_ptr(),
+                               grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr());
+      });
+  return {grad_q, grad_k, grad_v};
+}
+
 // The same functions serve both dispatch keys: they branch on the device themselves.
 void register_kernels(torch::Library& m) {
   m.impl("swish_forward", &swish_forward);
   m.impl("swish_backward", &swish_backward);
   m.impl("layer_norm_forward", &layer_norm_forward);
   m.impl("layer_norm_backward", &layer_norm_backward);
+  m.impl("softmax_forward", &softmax_forward);
+  m.impl("softmax_backward", &softmax_backward);
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
 }
 
 }  // namespace
@@ -183,6 +297,11 @@ TORCH_LIBRARY(cuda_kernels, m) {
   m.def("swish_backward(Tensor grad_out, Tensor x, float beta) -> Tensor");
   m.def("layer_norm_forward(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  m.def("softmax_forward(Tensor x) -> Tensor");
+  m.def("softmax_backward(Tensor grad_out, Tensor y) -> Tensor");
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal, int window, float scale) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+        "int window, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cuda_kernels, CPU, m) { kernel_ladder::register_kernels(m); }

@@ -1,0 +1,196 @@
+// Attention on the CPU: the C++ twin of attention_forward.cu / attention_backward.cu, registered for the
+// CPU dispatch key of the same ops.
+//
+// What it computes, for each (batch, head), with S = q k^T * scale restricted to the visible keys
+//   forward    P = softmax(S) row by row,  out = P v,  lse = log(sum(exp(S))) per query row
+//   backward   delta = rowsum(dout * out),  P = exp(S - lse) recomputed,  dP = dout v^T,
+//              dS = P * (dP - delta),  dq = dS k * scale,  dk = dS^T q * scale,  dv = P^T dout
+//
+// The one idea that makes it fast
+//   Flash attention's plan on cores instead of SMs. A task is one (batch*head, tile of 32 queries);
+//   it streams tiles of 64 keys (which stay in L1/L2 while all 32 queries use them) and merges them
+//   with the online softmax: a running max m, a running sum l and a running output, rescaled by
+//   exp(m_old - m_new) whenever a tile raises the max. So no seq x seq matrix is ever stored, and the
+//   backward recomputes P from the saved lse. The backward runs two passes, each writing its own
+//   outputs only (no atomics, deterministic): dq per query tile, then dk, dv per key tile. Masks are
+//   ranges (attention_mask.h), so invisible keys are never visited. Inner loops over head_dim are
+//   `omp simd` dot products and axpys; exp is the vectorisable one of cpu_common.h.
+//
+// Limits
+//   float32 (accumulating in float32, as the CUDA kernels do) and float64; head_dim up to 128.
+//
+// Check
+//   python -m pytest tests -k "attention and cuda and cpu"
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention_mask.h"
+#include "cpu_common.h"
+
+namespace kernel_ladder {
+namespace {
+
+constexpr int64_t kQueryTile = 32;
+constexpr int64_t kKeyTile = 64;
+constexpr int64_t kMaxHeadDim = 128;
+
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t d) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < d; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// y += a * x
+template <typename T>
+inline void axpy(T* __restrict y, T a, const T* __restrict x, int64_t d) {
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) y[c] += a * x[c];
+}
+
+template <typename T>
+void attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, T* out, T* lse) {
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, d = shape.head_dim;
+  const T scale = static_cast<T>(shape.scale);
+  const int64_t query_tiles = (lq + kQueryTile - 1) / kQueryTile;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t task = 0; task < shape.batch_heads * query_tiles; ++task) {
+    const int64_t bh = task / query_tiles, i0 = (task % query_tiles) * kQueryTile;
+    const int64_t i1 = std::min(i0 + kQueryTile, lq);
+    const T* q_bh = q + bh * lq * d;
+    const T* k_bh = k + bh * lk * d;
+    const T* v_bh = v + bh * lk * d;
+    T acc[kQueryTile][kMaxHeadDim] = {};
+    T row_max[kQueryTile], row_sum[kQueryTile] = {};
+    std::fill(row_max, row_max + kQueryTile, -std::numeric_limits<T>::infinity());
+    T scores[kKeyTile];
+    // Key tiles that any query of this tile sees; each query then takes its own range inside.
+    for (int64_t j0 = visible.first_key(i0) / kKeyTile * kKeyTile; j0 < visible.end_key(i1 - 1); j0 += kKeyTile) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t first = std::max(j0, visible.first_key(i)), end = std::min(j0 + kKeyTile, visible.end_key(i));
+        if (first >= end) continue;
+        const T* q_row = q_bh + i * d;
+        T tile_max = row_max[i - i0];
+        for (int64_t j = first; j < end; ++j) {
+          scores[j - first] = dot(q_row, k_bh + j * d, d) * scale;
+          tile_max = std::max(tile_max, scores[j - first]);
+        }
+        // The online softmax: what was summed against the old max is rescaled to the new one.
+        const T rescale = exp_branch_free(row_max[i - i0] - tile_max);
+        T* acc_row = acc[i - i0];
+        for (int64_t c = 0; c < d; ++c) acc_row[c] *= rescale;
+        T tile_sum = 0;
+#pragma omp simd reduction(+ : tile_sum)
+        for (int64_t j = 0; j < end - first; ++j) {
+          scores[j] = exp_branch_free(scores[j] - tile_max);
+          tile_sum += scores[j];
+        }
+        for (int64_t j = first; j < end; ++j) axpy(acc_row, scores[j - first], v_bh + j * d, d);
+        row_sum[i - i0] = row_sum[i - i0] * rescale + tile_sum;
+        row_max[i - i0] = tile_max;
+      }
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const T inverse_sum = T(1) / row_sum[i - i0];
+      for (int64_t c = 0; c < d; ++c) out[(bh * lq + i) * d + c] = acc[i - i0][c] * inverse_sum;
+      lse[bh * lq + i] = row_max[i - i0] + std::log(row_sum[i - i0]);
+    }
+  }
+}
+
+// Recomputed probability and score gradient of one visible (query, key) pair, from the saved lse and
+// delta = rowsum(dout * out): recomputing costs two dot products, storing P would cost seq^2 memory.
+template <typename T>
+struct PairGradient {
+  T p, ds;
+};
+
+template <typename T>
+inline PairGradient<T> pair_gradient(const T* q_row, const T* dout_row, const T* k_row, const T* v_row, T lse, T delta,
+                                     T scale, int64_t d) {
+  const T p = exp_branch_free(dot(q_row, k_row, d) * scale - lse);
+  return {p, p * (dot(dout_row, v_row, d) - delta)};
+}
+
+template <typename T>
+void attention_backward(const AttentionShape& shape, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                        const T* lse, T* dq, T* dk, T* dv) {
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, d = shape.head_dim, bhs = shape.batch_heads;
+  const T scale = static_cast<T>(shape.scale);
+  std::vector<T> delta(static_cast<size_t>(bhs * lq));
+#pragma omp parallel for schedule(static) if (bhs * lq * d >= kMinParallelElements)
+  for (int64_t row = 0; row < bhs * lq; ++row) delta[row] = dot(dout + row * d, out + row * d, d);
+
+  // Pass 1: dq, one task per (batch*head, query tile), streaming the key tiles it sees.
+  const int64_t query_tiles = (lq + kQueryTile - 1) / kQueryTile;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t task = 0; task < bhs * query_tiles; ++task) {
+    const int64_t bh = task / query_tiles, i0 = (task % query_tiles) * kQueryTile;
+    const int64_t i1 = std::min(i0 + kQueryTile, lq);
+    std::fill(dq + (bh * lq + i0) * d, dq + (bh * lq + i1) * d, T(0));
+    for (int64_t j0 = visible.first_key(i0) / kKeyTile * kKeyTile; j0 < visible.end_key(i1 - 1); j0 += kKeyTile) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t row = bh * lq + i;
+        const int64_t end = std::min(j0 + kKeyTile, visible.end_key(i));
+        T* dq_row = dq + row * d;
+        for (int64_t j = std::max(j0, visible.first_key(i)); j < end; ++j) {
+          const int64_t key = bh * lk + j;
+          const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
+                                                  delta[row], scale, d);
+          axpy(dq_row, g.ds * scale, k + key * d, d);
+        }
+      }
+    }
+  }
+
+  // Pass 2: dk and dv, one task per (batch*head, key tile), streaming the query tiles that see it.
+  const int64_t key_tiles = (lk + kKeyTile - 1) / kKeyTile;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t task = 0; task < bhs * key_tiles; ++task) {
+    const int64_t bh = task / key_tiles, j0 = (task % key_tiles) * kKeyTile;
+    const int64_t j1 = std::min(j0 + kKeyTile, lk);
+    std::fill(dk + (bh * lk + j0) * d, dk + (bh * lk + j1) * d, T(0));
+    std::fill(dv + (bh * lk + j0) * d, dv + (bh * lk + j1) * d, T(0));
+    for (int64_t i0 = visible.first_query(j0) / kQueryTile * kQueryTile; i0 < visible.end_query(j1 - 1); i0 += kQueryTile) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t key = bh * lk + j;
+        const int64_t end = std::min(i0 + kQueryTile, visible.end_query(j));
+        for (int64_t i = std::max(i0, visible.first_query(j)); i < end; ++i) {
+          const int64_t row = bh * lq + i;
+          const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
+                                                  delta[row], scale, d);
+          axpy(dv + key * d, g.p, dout + row * d, d);
+          axpy(dk + key * d, g.ds * scale, q + row * d, d);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void attention_forward_cpu(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
+                           void* out, void* lse) {
+  dispatch_cpu_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    attention_forward<T>(shape, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+                         static_cast<T*>(out), static_cast<T*>(lse));
+  });
+}
+
+void attention_backward_cpu(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
+                            const void* k, const void* v, const void* out, const void* lse, void* grad_q,
+                            void* grad_k, void* grad_v) {
+  dispatch_cpu_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    attention_backward<T>(shape, static_cast<const T*>(grad_out), static_cast<const T*>(q), static_cast<const T*>(k),
+                          static_cast<const T*>(v), static_cast<const T*>(out), static_cast<const T*>(lse),
+                          static_cast<T*>(grad_q), static_cast<T*>(grad_k), static_cast<T*>(grad_v));
+  });
+}
+
+}  // namespace kernel_ladder
