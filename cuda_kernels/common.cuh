@@ -87,6 +87,17 @@ inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// One block per row: enough warps that `values_per_thread` values each cover the row
+// (n <= 1024 * values_per_thread).
+inline int row_threads(int64_t n, int values_per_thread) {
+  return static_cast<int>(ceil_div(ceil_div(n, values_per_thread), kWarpSize) * kWarpSize);
+}
+
+// exp in the accumulator type. __expf is the hardware's exp2 unit (MUFU.EX2) after one multiply by
+// log2(e): a few ulp, without the ~20 instructions and slow-path branch of IEEE expf. Float64 keeps exp.
+__device__ __forceinline__ float exp_acc(float v) { return __expf(v); }
+__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
+
 // --- reductions ----------------------------------------------------------------------------------
 // Any trivially copyable value made of 4-byte words (a float, a double, a struct of them) can cross
 // lanes: __shfl_xor_sync moves one 32-bit register between the 32 lanes of a warp without touching
