@@ -22,7 +22,7 @@ struct VisibleKeys {
   int64_t window;  // > 0: only the `window` most recent keys; 0: no window
   bool causal;
 
-  explicit VisibleKeys(const AttentionShape& s)
+  KERNEL_LADDER_HOST_DEVICE explicit VisibleKeys(const AttentionShape& s)
       : query_length(s.query_length), key_length(s.key_length), offset(s.key_length - s.query_length),
         window(s.causal ? s.window : 0), causal(s.causal) {}
 
@@ -44,7 +44,10 @@ struct VisibleKeys {
     const int64_t end = window > 0 ? j - offset + window : query_length;
     return end < query_length ? end : query_length;
   }
-  KERNEL_LADDER_HOST_DEVICE bool sees(int64_t i, int64_t j) const { return j >= first_key(i) && j < end_key(i); }
+  // Padding rows past the last query (or key) of a tile see nothing.
+  KERNEL_LADDER_HOST_DEVICE bool sees(int64_t i, int64_t j) const {
+    return i < query_length && j >= first_key(i) && j < end_key(i);
+  }
   // Does every query of [i0, i1) see every key of [j0, j1)? Then a tile needs no mask. Tiles that
   // reach past the last query or key are never "all visible": their padding must be masked.
   KERNEL_LADDER_HOST_DEVICE bool sees_all(int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {

@@ -85,7 +85,7 @@ __device__ __forceinline__ void store_pack_once(T* p, const Pack<T, kVec>& pack)
 // pointer (a tensor view can start anywhere) and fall back to kVec = 1.
 inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One block per row: enough warps that `values_per_thread` values each cover the row
 // (n <= 1024 * values_per_thread).
@@ -165,6 +165,18 @@ void dispatch_vector_width(bool vectorise, Fn&& fn) {
     fn(std::integral_constant<int, kVecOf<T>>{});
   } else {
     fn(std::integral_constant<int, 1>{});
+  }
+}
+
+// Calls fn(std::integral_constant<int, kD>{}) for the head dim of the attention kernels
+// (16, 32, 64 or 128; ops.cpp checked it).
+template <typename Fn>
+void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 16: fn(std::integral_constant<int, 16>{}); break;
+    case 32: fn(std::integral_constant<int, 32>{}); break;
+    case 64: fn(std::integral_constant<int, 64>{}); break;
+    default: fn(std::integral_constant<int, 128>{}); break;
   }
 }
 

@@ -1,0 +1,283 @@
+// Flash attention in CUDA, forward: out = softmax(q k^T * scale + mask) v and lse, per (batch, head).
+//
+// What it computes, with S = q k^T * scale restricted to the keys each query sees (attention_mask.h)
+//   out = softmax(S) v row by row,   lse = log(sum(exp(S))) per query (saved for the backward)
+//
+// Kernels
+//   attention_forward_tensor_core_kernel<T, kD, kWarps>   float16 / bfloat16, FlashAttention-2's
+//       plan on mma.sync: a CTA owns kWarps * 16 queries, each warp 16 of them; q's fragments stay
+//       in registers; K and V tiles of 64 keys stream through shared memory, double-buffered with
+//       cp.async (tile j + 1 loads while tile j is multiplied); S and P never leave registers
+//   attention_forward_simt_kernel<T, kD>                  float32 / float64, the same algorithm on
+//       FMA units (attention_simt.cuh says why not TF32)
+//
+// The one idea that makes it fast
+//   The seq x seq score matrix is never stored. A warp computes its 16 x 64 tile of S on the tensor
+//   cores, and the online softmax folds it into a running max m, running sum l and running output o
+//   (rescaled by 2^(m_old - m_new) when a tile raises the max); P, rounded to 16 bits, is already in
+//   the register layout of mma's A operand, so o += P v follows without touching shared memory. So
+//   memory traffic is q, k, v read and o written, and the time is the tensor cores' and the exp
+//   unit's. exp is 2^x on the special-function unit, log2(e) folded into the score scale.
+//   Mask: only tiles that hold a masked pair (the causal diagonal, the window's edge, the padding
+//   past the last key) pay for the mask; tiles no query of the CTA sees are never visited, so with
+//   a sliding window the work grows with seq x window.
+//
+// Limits
+//   head_dim 16, 32, 64, 128 (one instantiation each); any lengths, Lq <= Lk when causal; (batch *
+//   heads) * ceil(Lq / 64) < 2^31 CTAs. q, k, v, out 16-byte aligned (ops.cpp checks). lse in float32
+//   (float64 for float64 inputs).
+//
+// Check
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_forward.cu -o /tmp/attention_forward.o
+//   python -m pytest tests -k "attention and cuda"
+#include "attention_mask.h"
+#include "attention_simt.cuh"
+#include "tensor_core.cuh"
+
+namespace kernel_ladder {
+
+constexpr int kKeyTile = 64;  // keys per shared-memory tile of the tensor-core kernels
+
+// Shared memory of the tensor-core forward: q (kWarps * 16 rows), then two K and two V buffers.
+template <typename T, int kD, int kWarps>
+constexpr int attention_forward_shared_bytes() {
+  return (kWarps * 16 + 4 * kKeyTile) * kPaddedPitch<kD> * static_cast<int>(sizeof(T));
+}
+
+// One 16 x 64 tile of scores for one warp: s = q k^T for the warp's 16 queries and the tile's keys.
+template <typename T, int kD>
+__device__ __forceinline__ void tile_scores(float (&s)[kKeyTile / 8][4], const uint32_t (&q)[kD / 16][4], const T* k_tile) {
+#pragma unroll
+  for (int n = 0; n < kKeyTile / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+  for (int d = 0; d < kD / 16; ++d) multiply_slice_by_transpose<T, kKeyTile, kPaddedPitch<kD>>(s, q[d], k_tile + d * 16);
+}
+
+// The online softmax for one tile: s becomes P = 2^(s * scale_log2 - m) with m the new running max
+// (in log2 units) of each of the thread's two rows; o and the partial row sums are rescaled to it.
+// kMasked: pairs the mask hides get s = -inf first (row0 = the query of the thread's first row).
+template <bool kMasked, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kKeyTile / 8][4], float (&o)[kD / 8][4], float (&row_max)[2],
+                                               float (&row_sum)[2], float scale_log2, const VisibleKeys& visible,
+                                               int64_t row0, int64_t key0) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the warp's 16
+    float tile_max = row_max[half];
+#pragma unroll
+    for (int n = 0; n < kKeyTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& score = s[n][2 * half + e];
+        score *= scale_log2;
+        if (kMasked && !visible.sees(row0 + 8 * half, key0 + n * 8 + lane % 4 * 2 + e)) score = -INFINITY;
+        tile_max = fmaxf(tile_max, score);
+      }
+    }
+    // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
+    // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
+    const float shift = tile_max == -INFINITY ? 0.0f : tile_max;
+    const float rescale = exp2_approx(row_max[half] - shift);
+    row_max[half] = tile_max;
+    row_sum[half] *= rescale;
+#pragma unroll
+    for (int d = 0; d < kD / 8; ++d) {
+      o[d][2 * half] *= rescale;
+      o[d][2 * half + 1] *= rescale;
+    }
+#pragma unroll
+    for (int n = 0; n < kKeyTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& p = s[n][2 * half + e];
+        p = exp2_approx(p - shift);
+        row_sum[half] += p;  // this lane's columns only; the quad's partial sums meet at the end
+      }
+    }
+  }
+}
+
+// o += P v: P (16 x 64, in registers) rounded to T as the A operand, v's tile as B via ldmatrix.trans.
+template <typename T, int kD>
+__device__ __forceinline__ void accumulate_pv(float (&o)[kD / 8][4], const float (&p)[kKeyTile / 8][4], const T* v_tile) {
+#pragma unroll
+  for (int k = 0; k < kKeyTile / 16; ++k) {
+    uint32_t a[4];
+    a_fragment_from_accumulators<T>(a, p[2 * k], p[2 * k + 1]);
+    multiply_slice<T, kD, kPaddedPitch<kD>>(o, a, v_tile + k * 16 * kPaddedPitch<kD>);
+  }
+}
+
+template <typename T, int kD, int kWarps>
+__global__ void __launch_bounds__(kWarps * kWarpSize)
+attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
+                                     const T* __restrict__ v, T* __restrict__ out, float* __restrict__ lse) {
+  constexpr int kQueries = kWarps * 16, kThreads = kWarps * kWarpSize, kPitch = kPaddedPitch<kD>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* q_tile = reinterpret_cast<T*>(shared_bytes);
+  T* k_tiles = q_tile + kQueries * kPitch;       // two buffers of kKeyTile rows
+  T* v_tiles = k_tiles + 2 * kKeyTile * kPitch;  // two buffers of kKeyTile rows
+
+  // Consecutive CTAs share a (batch, head), so its K and V stay in L2 while they stream past; within
+  // it the last query tiles (most keys when causal) start first, so the short ones fill the tail.
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, kQueries);
+  const int64_t bh = blockIdx.x / query_tiles;
+  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * kQueries;
+  const int64_t i1 = min(i0 + kQueries, lq);
+  q += bh * lq * kD;
+  k += bh * lk * kD;
+  v += bh * lk * kD;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t row0 = i0 + warp * 16 + lane / 4;  // the thread's rows: row0 and row0 + 8
+
+  // Key tiles any query of this CTA sees: [key_begin, key_end) in steps of kKeyTile.
+  const int64_t key_begin = visible.first_key(i0) / kKeyTile * kKeyTile, key_end = visible.end_key(i1 - 1);
+  const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kKeyTile));
+
+  load_tile_async<kQueries, kD, kThreads>(q_tile, q, i0, lq);
+  copy_async_commit();
+  load_tile_async<kKeyTile, kD, kThreads>(k_tiles, k, key_begin, lk);
+  load_tile_async<kKeyTile, kD, kThreads>(v_tiles, v, key_begin, lk);
+  copy_async_commit();
+  copy_async_wait<1>();  // q has landed (the first K, V tile may still be in flight)
+  __syncthreads();
+  uint32_t q_fragments[kD / 16][4];
+#pragma unroll
+  for (int d = 0; d < kD / 16; ++d) load_a_fragment<kPitch>(q_fragments[d], q_tile + warp * 16 * kPitch + d * 16);
+
+  float o[kD / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const float scale_log2 = static_cast<float>(shape.scale) * kLog2e;
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t key0 = key_begin + int64_t{t} * kKeyTile;
+    if (t + 1 < tiles) {  // prefetch tile t + 1 into the other buffer, freed by the barrier that ended t - 1
+      load_tile_async<kKeyTile, kD, kThreads>(k_tiles + (t + 1) % 2 * kKeyTile * kPitch, k, key0 + kKeyTile, lk);
+      load_tile_async<kKeyTile, kD, kThreads>(v_tiles + (t + 1) % 2 * kKeyTile * kPitch, v, key0 + kKeyTile, lk);
+    }
+    copy_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile t
+    copy_async_wait<1>();
+    __syncthreads();
+    const T* k_tile = k_tiles + t % 2 * kKeyTile * kPitch;
+    const T* v_tile = v_tiles + t % 2 * kKeyTile * kPitch;
+    float s[kKeyTile / 8][4];
+    tile_scores<T, kD>(s, q_fragments, k_tile);
+    if (visible.sees_all(i0, i1, key0, key0 + kKeyTile)) {
+      online_softmax<false, kD>(s, o, row_max, row_sum, scale_log2, visible, row0, key0);
+    } else {
+      online_softmax<true, kD>(s, o, row_max, row_sum, scale_log2, visible, row0, key0);
+    }
+    accumulate_pv<T, kD>(o, s, v_tile);
+    __syncthreads();  // every warp is done with buffer t % 2 before iteration t + 1 refills it
+  }
+
+  // out = o / l, staged through the warp's own rows of q_tile for 16-byte stores; lse = ln 2 * (m + log2 l).
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 1);
+    row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 2);
+    const int64_t row = row0 + 8 * half;
+    if (lane % 4 == 0 && row < lq) lse[bh * lq + row] = (row_max[half] + __log2f(row_sum[half])) * kLn2;
+    const float inverse_sum = 1.0f / row_sum[half];
+#pragma unroll
+    for (int d = 0; d < kD / 8; ++d) {
+      o[d][2 * half] *= inverse_sum;
+      o[d][2 * half + 1] *= inverse_sum;
+    }
+  }
+  T* warp_rows = q_tile + warp * 16 * kPitch;
+  stage_accumulators<T, kD>(warp_rows, o, 1.0f);
+  __syncwarp();
+  copy_rows_to_global<16, kD>(out + bh * lq * kD, warp_rows, i0 + warp * 16, lq);
+}
+
+// float32 / float64: one query row per group of SimtRows<kD>::kThreadsPerRow threads, its q and
+// running output in registers; K and V tiles of kSimtTileRows keys in shared memory.
+template <typename T, int kD>
+__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
+attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
+                              const T* __restrict__ v, T* __restrict__ out, T* __restrict__ lse) {
+  using A = Acc<T>;
+  using Rows = SimtRows<kD>;
+  __shared__ A k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
+  const int64_t bh = blockIdx.x / query_tiles;  // as in the tensor-core kernel: last query tiles first
+  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
+  const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
+  const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
+  q += bh * lq * kD;
+  k += bh * lk * kD;
+  v += bh * lk * kD;
+
+  A q_row[Rows::kColumns], o[Rows::kColumns] = {};
+  load_row_part<kD>(q_row, q, i, lq, part);
+  A row_max = -INFINITY, row_sum = 0;
+  const A scale = static_cast<A>(shape.scale);
+  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
+    __syncthreads();  // the previous tile is no longer read
+    load_simt_tile<kD>(k_tile, k, key0, lk);
+    load_simt_tile<kD>(v_tile, v, key0, lk);
+    __syncthreads();
+    A s[kSimtTileRows];
+    A tile_max = row_max;
+#pragma unroll
+    for (int j = 0; j < kSimtTileRows; ++j) {
+      s[j] = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
+      if (!visible.sees(i, key0 + j)) s[j] = -INFINITY;
+      tile_max = fmax(tile_max, s[j]);
+    }
+    if (tile_max == A(-INFINITY)) continue;  // no key of this row yet
+    const A rescale = exp_acc(row_max - tile_max);
+    row_sum *= rescale;
+#pragma unroll
+    for (int c = 0; c < Rows::kColumns; ++c) o[c] *= rescale;
+#pragma unroll
+    for (int j = 0; j < kSimtTileRows; ++j) {
+      const A p = exp_acc(s[j] - tile_max);
+      row_sum += p;
+      add_row_part<kD>(o, p, v_tile, j, part);
+    }
+    row_max = tile_max;
+  }
+  if (i < lq) {
+    store_row_part<kD>(out + bh * lq * kD, i, o, A(1) / row_sum, part);
+    if (part == 0) lse[bh * lq + i] = row_max + log(row_sum);
+  }
+}
+
+// --- launcher ------------------------------------------------------------------------------------
+
+void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
+                              void* out, void* lse, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
+      constexpr int kD = decltype(head_dim)::value;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        using Rows = SimtRows<kD>;
+        const auto blocks = static_cast<unsigned>(shape.batch_heads * ceil_div(shape.query_length, Rows::kRowsPerBlock));
+        attention_forward_simt_kernel<T, kD><<<blocks, Rows::kThreads, 0, s>>>(
+            shape, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out),
+            static_cast<T*>(lse));
+      } else {
+        constexpr int kWarps = 4;
+        constexpr int kBytes = attention_forward_shared_bytes<T, kD, kWarps>();
+        auto* kernel = attention_forward_tensor_core_kernel<T, kD, kWarps>;
+        // Beyond 48 KB a kernel's dynamic shared memory must be asked for (per device, so every launch).
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+        const auto blocks = static_cast<unsigned>(shape.batch_heads * ceil_div(shape.query_length, kWarps * 16));
+        kernel<<<blocks, kWarps * kWarpSize, kBytes, s>>>(shape, static_cast<const T*>(q), static_cast<const T*>(k),
+                                                          static_cast<const T*>(v), static_cast<T*>(out),
+                                                          static_cast<float*>(lse));
+      }
+    });
+  });
+}
+
+}  // namespace kernel_ladder

@@ -1,0 +1,245 @@
+// The tensor-core building blocks of the flash-attention kernels (attention_forward.cu,
+// attention_backward.cu): asynchronous copies into padded shared-memory tiles, ldmatrix fragment
+// loads, and the warp-wide matrix product mma.sync m16n8k16 (float16/bfloat16 in, float32 out).
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"). A warp multiplies A (16x16) by B (16x8)
+// into C (16x8); lane l holds pieces at row g = l / 4 and column pair c = 2 * (l % 4):
+//   A  4 registers of 2 halves: (g, c..c+1), (g+8, c..c+1), (g, c+8..c+9), (g+8, c+8..c+9)
+//   B  2 registers of 2 halves: (k = c..c+1, n = g), (k = c+8..c+9, n = g)
+//   C  4 floats:                (g, c), (g, c+1), (g+8, c), (g+8, c+1)
+// So a C tile 16 x 16 (two C fragments side by side), rounded to halves, IS an A fragment: the
+// probabilities of q k^T feed the next product p v straight from registers, with no shuffle.
+// ldmatrix gives each lane exactly these pieces from shared memory: each of its four 8x8 matrices
+// (16-byte rows whose addresses come from lanes 8i..8i+7) lands as lane l's pair (l / 4, 2 * (l % 4));
+// .trans lands the transposed pair, which is how a row-major V becomes the B operand of p v.
+//
+// Shared-memory layout: a tile of kCols halves per row is stored with rows kCols + 8 halves apart.
+// ldmatrix reads 8 rows of 16 bytes at one column; with rows a multiple of 128 bytes apart all 8
+// would sit in the same 4 banks (an 8-way conflict). 16 bytes of padding shift each row by 4 banks,
+// so the 8 rows cover all 32 banks, for every head dim (row pitches of 48, 80, 144, 272 bytes).
+#pragma once
+
+#include "common.cuh"
+
+namespace kernel_ladder {
+
+template <int kCols> constexpr int kPaddedPitch = kCols + 8;  // elements between rows of a shared tile
+
+// --- asynchronous copies (cp.async, sm_80+) -------------------------------------------------------
+// The copy engine moves global memory into shared memory without holding registers, so the warps
+// compute on one tile while the next is in flight. `.cg` bypasses L1: each tile is read once per CTA.
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes; with valid == false the source is not read and the destination is zero-filled.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
+               "r"(valid ? 16 : 0));
+}
+
+// 4 bytes (one float of lse or delta, whose rows need not be 16-byte aligned); zero-filled if invalid.
+__device__ __forceinline__ void copy_async_4(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared)), "l"(global),
+               "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Rows [row0, row0 + kRows) of a (rows, kCols) row-major matrix into a padded shared tile, 16 bytes
+// per copy, spread over kThreads threads; rows at or past `rows` are zero-filled (a zero row adds
+// nothing to any product, and never leaves garbage that could be NaN).
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_t row0, int64_t rows) {
+  constexpr int kChunkElements = 16 / sizeof(T);
+  constexpr int kChunksPerRow = kCols / kChunkElements;
+  static_assert((kRows * kChunksPerRow) % kThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int i = 0; i < kRows * kChunksPerRow / kThreads; ++i) {
+    const int chunk = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
+    const bool valid = row0 + row < rows;
+    copy_async_16(tile + row * kPaddedPitch<kCols> + col, matrix + (valid ? (row0 + row) * kCols + col : 0), valid);
+  }
+}
+
+// One float per row, rows [row0, row0 + kRows) of `vector`, zero past `rows` (threads 0..kRows-1).
+template <int kRows>
+__device__ __forceinline__ void load_row_values_async(float* shared, const float* vector, int64_t row0, int64_t rows) {
+  const int row = static_cast<int>(threadIdx.x);
+  if (row < kRows) {
+    const bool valid = row0 + row < rows;
+    copy_async_4(shared + row, vector + (valid ? row0 + row : 0), valid);
+  }
+}
+
+// --- ldmatrix ------------------------------------------------------------------------------------
+// Four 8x8 matrices of 16-bit values; lane l gives the row address of matrix l / 8.
+
+__device__ __forceinline__ void load_matrix_x4(uint32_t (&fragment)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+               : "r"(shared_address(row_address)));
+}
+
+__device__ __forceinline__ void load_matrix_x4_transposed(uint32_t (&fragment)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(fragment[0]), "=r"(fragment[1]), "=r"(fragment[2]), "=r"(fragment[3])
+               : "r"(shared_address(row_address)));
+}
+
+// The 16x16 block of a row-major shared tile whose top-left element is `block`, as the A operand
+// (rows = m, columns = k). Lane l addresses row l % 8 (+8 for lanes 8-15 and 24-31), column 0 or 8.
+template <int kPitch, typename T>
+__device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], const T* block) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  load_matrix_x4(a, block + (lane % 8 + (lane / 8) % 2 * 8) * kPitch + lane / 16 * 8);
+}
+
+// The A operand for the TRANSPOSE of a row-major shared tile: block is the top-left of the 16x16
+// block stored as [k][m] (used for dS, stored key-major, in dq = dS k).
+template <int kPitch, typename T>
+__device__ __forceinline__ void load_a_fragment_transposed(uint32_t (&a)[4], const T* block) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  load_matrix_x4_transposed(a, block + (lane % 8 + lane / 16 * 8) * kPitch + (lane / 8) % 2 * 8);
+}
+
+// B operands of two adjacent n-tiles from a tile stored [n][k] (row n holds column n of B, as K's rows
+// hold the columns of k^T): b[0], b[1] for n-tile 0, b[2], b[3] for n-tile 1; block = (n0, k0).
+template <int kPitch, typename T>
+__device__ __forceinline__ void load_b_fragments(uint32_t (&b)[4], const T* block) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  load_matrix_x4(b, block + (lane % 8 + lane / 16 * 8) * kPitch + (lane / 8) % 2 * 8);
+}
+
+// B operands of two adjacent n-tiles from a tile stored [k][n] (V: rows are keys = k, columns are
+// head-dim = n); ldmatrix.trans transposes each 8x8 on the way. block = (k0, n0).
+template <int kPitch, typename T>
+__device__ __forceinline__ void load_b_fragments_transposed(uint32_t (&b)[4], const T* block) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  load_matrix_x4_transposed(b, block + (lane % 8 + (lane / 8) % 2 * 8) * kPitch + lane / 16 * 8);
+}
+
+// --- mma.sync ------------------------------------------------------------------------------------
+
+// c += a b on the tensor cores: A 16x16, B 16x8, C 16x8 in float32.
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                            uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c (16 x kN) += a b^T over one 16-wide slice of k: a is the slice's A fragment, b_block the (n0 = 0,
+// k0) corner of a shared tile stored [n][k] (rows of K for q k^T; rows of q for k q^T).
+template <typename T, int kN, int kPitch>
+__device__ __forceinline__ void multiply_slice_by_transpose(float (&c)[kN / 8][4], const uint32_t (&a)[4], const T* b_block) {
+#pragma unroll
+  for (int n = 0; n < kN / 8; n += 2) {
+    uint32_t b[4];
+    load_b_fragments<kPitch>(b, b_block + n * 8 * kPitch);
+    mma_16x8x16<T>(c[n], a, b[0], b[1]);
+    mma_16x8x16<T>(c[n + 1], a, b[2], b[3]);
+  }
+}
+
+// c (16 x kN) += a b over one 16-wide slice of k: b_rows are the slice's 16 rows of a shared tile
+// stored [k][n] (V for p v; dout, q, k in the backward), starting at column n0 = 0.
+template <typename T, int kN, int kPitch>
+__device__ __forceinline__ void multiply_slice(float (&c)[kN / 8][4], const uint32_t (&a)[4], const T* b_rows) {
+#pragma unroll
+  for (int n = 0; n < kN / 8; n += 2) {
+    uint32_t b[4];
+    load_b_fragments_transposed<kPitch>(b, b_rows + n * 8);
+    mma_16x8x16<T>(c[n], a, b[0], b[1]);
+    mma_16x8x16<T>(c[n + 1], a, b[2], b[3]);
+  }
+}
+
+// Two floats rounded to T and packed into one register, the first in the low half (lower column).
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(float first, float second);
+
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float first, float second) {
+  const __half2 pair = __floats2half2_rn(first, second);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float first, float second) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(first, second);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// The A operand made of two C fragments side by side (columns 0-7 and 8-15 of a 16x16 block).
+template <typename T>
+__device__ __forceinline__ void a_fragment_from_accumulators(uint32_t (&a)[4], const float (&left)[4],
+                                                             const float (&right)[4]) {
+  a[0] = pack_pair<T>(left[0], left[1]);
+  a[1] = pack_pair<T>(left[2], left[3]);
+  a[2] = pack_pair<T>(right[0], right[1]);
+  a[3] = pack_pair<T>(right[2], right[3]);
+}
+
+// 2^x on the special-function unit (MUFU.EX2), one instruction; 2^-inf = 0. The kernels fold log2(e)
+// into the score scale, so exp(s) = 2^(s * log2 e) costs no extra multiply.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Stage a warp's 16 x kCols accumulator rows (C fragments, kCols / 8 of them) into its rows of a
+// padded shared tile, rounded to T, so that the warp can then write them to global memory in
+// coalesced 16-byte pieces (copy_rows_to_global).
+template <typename T, int kCols>
+__device__ __forceinline__ void stage_accumulators(T* rows16, const float (&c)[kCols / 8][4], float scale) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  T* top = rows16 + lane / 4 * kPaddedPitch<kCols> + lane % 4 * 2;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    *reinterpret_cast<uint32_t*>(top + n * 8) = pack_pair<T>(c[n][0] * scale, c[n][1] * scale);
+    *reinterpret_cast<uint32_t*>(top + 8 * kPaddedPitch<kCols> + n * 8) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
+  }
+}
+
+// A warp copies the kRows rows of a padded shared tile to rows [row0, row0 + kRows) of a (rows, kCols)
+// global matrix, 16 bytes per lane per step; rows at or past `rows` are not written.
+template <int kRows, int kCols, typename T>
+__device__ __forceinline__ void copy_rows_to_global(T* matrix, const T* tile, int64_t row0, int64_t rows) {
+  constexpr int kChunkElements = 16 / sizeof(T);
+  constexpr int kChunksPerRow = kCols / kChunkElements;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  for (int chunk = lane; chunk < kRows * kChunksPerRow; chunk += kWarpSize) {
+    const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
+    if (row0 + row < rows) {
+      *reinterpret_cast<int4*>(matrix + (row0 + row) * kCols + col) =
+          *reinterpret_cast<const int4*>(tile + row * kPaddedPitch<kCols> + col);
+    }
+  }
+}
+
+}  // namespace kernel_ladder
