@@ -30,8 +30,8 @@ from levels.spec import LevelUnavailableError
 
 _HERE = Path(__file__).resolve().parent
 _CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp", "softmax_cpu.cpp", "attention_cpu.cpp")
-_CUDA_SOURCES = ("swish.cu", "layer_norm.cu", "softmax.cu")
-_HEADERS = ("kernels.h", "common.cuh", "cpu_common.h", "attention_mask.h")
+_CUDA_SOURCES = ("swish.cu", "layer_norm.cu", "softmax.cu", "attention_forward.cu", "attention_backward.cu")
+_HEADERS = ("kernels.h", "common.cuh", "cpu_common.h", "attention_mask.h", "tensor_core.cuh", "attention_simt.cuh")
 
 # -O3 for vectorisation; -march=native because the extension is always built on the machine that runs
 # it (PyTorch's cache lives in the user's home); -fno-math-errno and -fno-trapping-math tell gcc that

@@ -59,11 +59,15 @@ void launch_softmax_backward(DType dtype, const void* grad_out, const void* y, v
                              void* stream);
 
 // out = softmax(q k^T * scale + mask) v; lse (batch_heads, query_length) = log of each softmax's
-// denominator, max included (natural log, in the accumulator type). head_dim is 16, 32, 64 or 128.
+// denominator, max included (natural log, in the accumulator type). head_dim is 16, 32, 64 or 128;
+// every pointer is 16-byte aligned; every query sees at least one key.
 void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                               void* out, void* lse, void* stream);
-// grad_q, grad_k, grad_v in `dtype`. `workspace` is scratch for batch_heads * query_length accumulator
-// values (delta = rowsum(grad_out * out)).
+// How much scratch the attention backward wants, in accumulator-type values (float; double for
+// float64): delta = rowsum(grad_out * out) per query, and for float16/bfloat16 a float32 dq
+// accumulator of batch_heads * query_length * head_dim values (kernels never allocate memory).
+int64_t attention_backward_workspace_size(DType dtype, const AttentionShape& shape);
+// grad_q, grad_k, grad_v in `dtype`; `workspace` is scratch, see above.
 void launch_attention_backward(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream);

@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <initializer_list>
 #include <tuple>
 
 #include "kernels.h"
@@ -204,6 +205,15 @@ at::Tensor softmax_backward(const at::Tensor& grad_out, const at::Tensor& y) {
   return grad_x;
 }
 
+// The CUDA attention kernels copy rows in 16-byte pieces. A tensor from PyTorch's allocator always
+// allows it; only a view that starts at an odd offset into its storage does not.
+void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(!t->is_cuda() || reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, "cuda_kernels::", op,
+                ": tensors must start at 16-byte aligned addresses on the GPU (call .clone() on this view)");
+  }
+}
+
 // q (B, H, Lq, D), k and v (B, H, Lk, D), one dtype and device, contiguous; D one of the kernels' tile
 // widths; causal attention needs Lq <= Lk (queries are aligned to the end of the keys).
 AttentionShape attention_shape(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
@@ -220,6 +230,9 @@ AttentionShape attention_shape(const char* op, const at::Tensor& q, const at::Te
               " keys (queries are aligned to the end of the keys)");
   TORCH_CHECK(lk >= 1 || lq == 0 || batch * heads == 0, "cuda_kernels::", op, ": ", lq, " queries and no key to attend to");
   TORCH_CHECK(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(window == 0 || causal, "cuda_kernels::", op, ": a sliding window (", window,
+              ") looks back from each query, so it needs causal=True");
+  check_aligned_16(op, {&q, &k, &v});
   return AttentionShape{batch * heads, lq, lk, d, causal, window, scale};
 }
 
@@ -251,6 +264,7 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   const AttentionShape shape = attention_shape(op, q, k, v, causal, window, scale);
   check_argument(op, "grad_out", grad_out, q, q.scalar_type(), q.sizes());
   check_argument(op, "out", out, q, q.scalar_type(), q.sizes());
+  check_aligned_16(op, {&grad_out, &out});
   check_argument(op, "lse", lse, q, statistics_dtype(q), {q.size(0), q.size(1), q.size(2)});
   if (q.numel() == 0 || k.numel() == 0) {  // nothing to launch; keys no query sees get zero gradients
     return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options())};
@@ -261,8 +275,9 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   run_on_device_of(
       q,
       [&](void* stream) {
-        // delta = rowsum(grad_out * out), one accumulator value per query, from PyTorch's caching allocator.
-        at::Tensor workspace = at::empty({shape.batch_heads * shape.query_length}, lse.options());
+        // delta (and dq partial sums), from PyTorch's caching allocator: freed when this returns, and
+        // reused only by work queued after ours on the same stream.
+        at::Tensor workspace = at::empty({attention_backward_workspace_size(dtype, shape)}, lse.options());
         launch_attention_backward(dtype, shape, grad_out.const_data_ptr(), q.const_data_ptr(), k.const_data_ptr(),
                                   v.const_data_ptr(), out.const_data_ptr(), lse.const_data_ptr(),
                                   grad_q.mutable_data_ptr(), grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr(),
