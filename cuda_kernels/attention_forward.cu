@@ -266,6 +266,8 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
             shape, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(out),
             static_cast<T*>(lse));
       } else {
+        // 4 warps (64 queries a CTA): 1.08 ms against 1.20 ms with 8 at (4, 16, 4096, 128) bf16 causal on
+        // an H100; two CTAs of 4 warps share an SM (230 registers a thread, 85 KB of shared memory each).
         constexpr int kWarps = 4;
         constexpr int kBytes = attention_forward_shared_bytes<T, kD, kWarps>();
         auto* kernel = attention_forward_tensor_core_kernel<T, kD, kWarps>;

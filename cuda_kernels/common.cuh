@@ -98,6 +98,29 @@ inline int row_threads(int64_t n, int values_per_thread) {
 __device__ __forceinline__ float exp_acc(float v) { return __expf(v); }
 __device__ __forceinline__ double exp_acc(double v) { return exp(v); }
 
+// --- asynchronous copies (cp.async, sm_80+) -------------------------------------------------------
+// The copy engine moves global memory into shared memory without holding registers, so the warps
+// compute on one tile (or row) while the next is in flight. `.cg` bypasses L1: what is copied is read
+// from global memory once per block.
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes; with valid == false the source is not read and the destination is zero-filled.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // --- reductions ----------------------------------------------------------------------------------
 // Any trivially copyable value made of 4-byte words (a float, a double, a struct of them) can cross
 // lanes: __shfl_xor_sync moves one 32-bit register between the 32 lanes of a warp without touching

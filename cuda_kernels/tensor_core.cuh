@@ -25,32 +25,12 @@ namespace kernel_ladder {
 
 template <int kCols> constexpr int kPaddedPitch = kCols + 8;  // elements between rows of a shared tile
 
-// --- asynchronous copies (cp.async, sm_80+) -------------------------------------------------------
-// The copy engine moves global memory into shared memory without holding registers, so the warps
-// compute on one tile while the next is in flight. `.cg` bypasses L1: each tile is read once per CTA.
-
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes; with valid == false the source is not read and the destination is zero-filled.
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
-               "r"(valid ? 16 : 0));
-}
+// --- tile copies (cp.async; the primitives are in common.cuh) ------------------------------------
 
 // 4 bytes (one float of lse or delta, whose rows need not be 16-byte aligned); zero-filled if invalid.
 __device__ __forceinline__ void copy_async_4(void* shared, const void* global, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared)), "l"(global),
                "r"(valid ? 4 : 0));
-}
-
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Wait until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // Rows [row0, row0 + kRows) of a (rows, kCols) row-major matrix into a padded shared tile, 16 bytes
