@@ -18,16 +18,18 @@
 //                                              shared memory for dq += dS k, which it adds to a
 //                                              float32 buffer with atomics (vector red.add)
 //     attention_backward_dq_kernel             grad_q = scale * that buffer, rounded to the dtype
-//   float32 / float64 (SIMT, attention_simt.cuh): the same math in two passes that each write only
-//   their own outputs (no atomics, deterministic), like the C++ CPU twin:
-//     attention_backward_dq_simt_kernel        per query rows, streaming the keys they see
-//     attention_backward_dk_dv_simt_kernel     per key rows, streaming the queries that see them
+//   float32 / float64: attention_backward_dq_simt_kernel and attention_backward_dk_dv_simt_kernel
+//     (attention_simt.cuh), the same math in two deterministic passes
 //
 // The one idea that makes it fast
 //   Recompute instead of store: P would be seq x seq; S costs one more q k^T on the tensor cores,
 //   which are idle anyway while the exp unit and memory work. The key-major loop keeps the two
 //   largest accumulators (dk, dv) in registers; only dq, which every key tile touches, goes through
 //   atomics, once per (query tile, key tile) pair. Tiles no query sees are never visited.
+//
+// Measured (H100, (4, 16, 4096, 128) bfloat16, causal, CUDA-graph replays)
+//   the tensor-core kernel 2.99 ms (230 TFLOP/s); forward + backward through autograd 4.26 ms against
+//   3.61 ms for PyTorch SDPA's flash backend (0.85x its rate).
 //
 // Limits
 //   As the forward (attention_forward.cu). The float16/bfloat16 path sums dq in a nondeterministic
@@ -270,98 +272,6 @@ __global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumu
 #pragma unroll
   for (int j = 0; j < 4; ++j) rounded.val[j] = from_acc<T>(sum.val[j] * scale);
   store_pack<T, 4>(grad_q + i, rounded);
-}
-
-// --- float32 / float64 (SIMT) --------------------------------------------------------------------
-
-// dq for one query row per thread group (its q, dout, dq in registers), streaming the visible keys.
-template <typename T, int kD>
-__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
-attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
-                                  const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
-                                  const T* __restrict__ delta, T* __restrict__ grad_q) {
-  using Rows = SimtRows<kD>;
-  __shared__ T k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
-  const VisibleKeys visible(shape);
-  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
-  const int64_t bh = blockIdx.x / query_tiles;  // last query tiles (most keys when causal) first
-  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
-  const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
-  const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  const int64_t row = bh * lq + i;
-  k += bh * lk * kD;
-  v += bh * lk * kD;
-
-  T q_row[Rows::kColumns], dout_row[Rows::kColumns], dq[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q + bh * lq * kD, i, lq, part);
-  load_row_part<kD>(dout_row, grad_out + bh * lq * kD, i, lq, part);
-  const T row_lse = i < lq ? lse[row] : T(0), row_delta = i < lq ? delta[row] : T(0);
-  const T scale = static_cast<T>(shape.scale);
-  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
-    __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk);
-    load_simt_tile<kD>(v_tile, v, key0, lk);
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
-      const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
-      const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(dout_row, v_tile, j, part));
-      const T p = visible.sees(i, key0 + j) ? exp_acc(s - row_lse) : T(0);
-      add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
-    }
-  }
-  if (i < lq) store_row_part<kD>(grad_q + bh * lq * kD, i, dq, scale, part);
-}
-
-// dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
-// that see it.
-template <typename T, int kD>
-__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
-attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
-                                     const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
-                                     const T* __restrict__ delta, T* __restrict__ grad_k, T* __restrict__ grad_v) {
-  using Rows = SimtRows<kD>;
-  __shared__ T q_tile[kSimtTileRows * kD], dout_tile[kSimtTileRows * kD];
-  __shared__ T lse_tile[kSimtTileRows], delta_tile[kSimtTileRows];
-  const VisibleKeys visible(shape);
-  const int64_t lq = shape.query_length, lk = shape.key_length, key_tiles = ceil_div(lk, Rows::kRowsPerBlock);
-  const int64_t bh = blockIdx.x / key_tiles;  // first key tiles (seen by most queries when causal) first
-  const int64_t j0 = blockIdx.x % key_tiles * Rows::kRowsPerBlock, j1 = min(j0 + Rows::kRowsPerBlock, lk);
-  const int64_t j = j0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  q += bh * lq * kD;
-  grad_out += bh * lq * kD;
-  lse += bh * lq;
-  delta += bh * lq;
-
-  T k_row[Rows::kColumns], v_row[Rows::kColumns], dk[Rows::kColumns] = {}, dv[Rows::kColumns] = {};
-  load_row_part<kD>(k_row, k + bh * lk * kD, j, lk, part);
-  load_row_part<kD>(v_row, v + bh * lk * kD, j, lk, part);
-  const T scale = static_cast<T>(shape.scale);
-  for (int64_t query0 = visible.first_query(j0); query0 < visible.end_query(j1 - 1); query0 += kSimtTileRows) {
-    __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(q_tile, q, query0, lq);
-    load_simt_tile<kD>(dout_tile, grad_out, query0, lq);
-    if (threadIdx.x < kSimtTileRows) {
-      const bool valid = query0 + threadIdx.x < lq;
-      lse_tile[threadIdx.x] = valid ? lse[query0 + threadIdx.x] : T(0);
-      delta_tile[threadIdx.x] = valid ? delta[query0 + threadIdx.x] : T(0);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < kSimtTileRows; ++r) {
-      const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(k_row, q_tile, r, part)) * scale;
-      const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(v_row, dout_tile, r, part));
-      const T p = visible.sees(query0 + r, j) ? exp_acc(s - lse_tile[r]) : T(0);
-      add_row_part<kD>(dv, p, dout_tile, r, part);
-      add_row_part<kD>(dk, p * (dp - delta_tile[r]), q_tile, r, part);
-    }
-  }
-  if (j < lk) {
-    store_row_part<kD>(grad_k + bh * lk * kD, j, dk, scale, part);
-    store_row_part<kD>(grad_v + bh * lk * kD, j, dv, T(1), part);
-  }
 }
 
 // --- launchers -----------------------------------------------------------------------------------

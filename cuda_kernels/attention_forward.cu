@@ -8,8 +8,8 @@
 //       plan on mma.sync: a CTA owns kWarps * 16 queries, each warp 16 of them; q's fragments stay
 //       in registers; K and V tiles of 64 keys stream through shared memory, double-buffered with
 //       cp.async (tile j + 1 loads while tile j is multiplied); S and P never leave registers
-//   attention_forward_simt_kernel<T, kD>                  float32 / float64, the same algorithm on
-//       FMA units (attention_simt.cuh says why not TF32)
+//   float32 / float64 run attention_forward_simt_kernel (attention_simt.cuh), the same algorithm on
+//       FMA units
 //
 // The one idea that makes it fast
 //   The seq x seq score matrix is never stored. A warp computes its 16 x 64 tile of S on the tensor
@@ -21,6 +21,10 @@
 //   Mask: only tiles that hold a masked pair (the causal diagonal, the window's edge, the padding
 //   past the last key) pay for the mask; tiles no query of the CTA sees are never visited, so with
 //   a sliding window the work grows with seq x window.
+//
+// Measured (H100, (batch 4, heads 16, seq 4096, head_dim 128) bfloat16, causal, CUDA-graph replays)
+//   1.08 ms, 254 TFLOP/s: 0.83x the speed of PyTorch SDPA's flash backend (0.90 ms), 11x level 1
+//   (12.0 ms). Sliding window 1024 at seq 16384 (batch 1): 0.56 ms against 3.86 ms fully causal.
 //
 // Limits
 //   head_dim 16, 32, 64, 128 (one instantiation each); any lengths, Lq <= Lk when causal; (batch *
@@ -192,62 +196,6 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   stage_accumulators<T, kD>(warp_rows, o, 1.0f);
   __syncwarp();
   copy_rows_to_global<16, kD>(out + bh * lq * kD, warp_rows, i0 + warp * 16, lq);
-}
-
-// float32 / float64: one query row per group of SimtRows<kD>::kThreadsPerRow threads, its q and
-// running output in registers; K and V tiles of kSimtTileRows keys in shared memory.
-template <typename T, int kD>
-__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
-attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
-                              const T* __restrict__ v, T* __restrict__ out, T* __restrict__ lse) {
-  using A = Acc<T>;
-  using Rows = SimtRows<kD>;
-  __shared__ A k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
-  const VisibleKeys visible(shape);
-  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
-  const int64_t bh = blockIdx.x / query_tiles;  // as in the tensor-core kernel: last query tiles first
-  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
-  const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
-  const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  q += bh * lq * kD;
-  k += bh * lk * kD;
-  v += bh * lk * kD;
-
-  A q_row[Rows::kColumns], o[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q, i, lq, part);
-  A row_max = -INFINITY, row_sum = 0;
-  const A scale = static_cast<A>(shape.scale);
-  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
-    __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk);
-    load_simt_tile<kD>(v_tile, v, key0, lk);
-    __syncthreads();
-    A s[kSimtTileRows];
-    A tile_max = row_max;
-#pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
-      s[j] = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
-      if (!visible.sees(i, key0 + j)) s[j] = -INFINITY;
-      tile_max = fmax(tile_max, s[j]);
-    }
-    if (tile_max == A(-INFINITY)) continue;  // no key of this row yet
-    const A rescale = exp_acc(row_max - tile_max);
-    row_sum *= rescale;
-#pragma unroll
-    for (int c = 0; c < Rows::kColumns; ++c) o[c] *= rescale;
-#pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
-      const A p = exp_acc(s[j] - tile_max);
-      row_sum += p;
-      add_row_part<kD>(o, p, v_tile, j, part);
-    }
-    row_max = tile_max;
-  }
-  if (i < lq) {
-    store_row_part<kD>(out + bh * lq * kD, i, o, A(1) / row_sum, part);
-    if (part == 0) lse[bh * lq + i] = row_max + log(row_sum);
-  }
 }
 
 // --- launcher ------------------------------------------------------------------------------------

@@ -1,9 +1,25 @@
-// What the SIMT (float32 and float64) attention kernels share: how a block's threads split the rows
-// of q, k, v, and the sum across the threads of one row. These kernels run the same flash algorithm
-// as the tensor-core ones (tiles, online softmax, lse, recomputation), on ordinary FMA units: the
-// tensor cores' float32 mode (TF32) keeps 10 mantissa bits, too few for float32's 2e-5 tolerance.
+// Flash attention for float32 and float64 on the GPU's FMA units (SIMT), forward and backward; the
+// float16/bfloat16 kernels on tensor cores are in attention_forward.cu and attention_backward.cu, whose
+// launchers call these for the two IEEE types.
+//
+// Why not the tensor cores: their float32 mode (TF32) keeps 10 mantissa bits, too few for float32's
+// 2e-5 tolerance. So these kernels run the same flash algorithm (tiles, online softmax, the saved lse,
+// recomputation in the backward, loop bounds from attention_mask.h) with plain multiply-adds.
+//
+// Kernels
+//   attention_forward_simt_kernel          a group of threads per query row: q and the running output
+//                                          in registers; K, V tiles of 16 keys in shared memory
+//   attention_backward_dq_simt_kernel      per query rows, streaming the keys they see
+//   attention_backward_dk_dv_simt_kernel   per key rows, streaming the queries that see them
+//   Two backward passes that each write only their own outputs: no atomics, deterministic, as the C++
+//   CPU twin (attention_cpu.cpp).
+//
+// Limits
+//   head_dim 16, 32, 64, 128; as attention_forward.cu otherwise. About 2-3x slower than cuBLAS-based
+//   SDPA in float32: a lesson in the algorithm, not a rival to the matrix units.
 #pragma once
 
+#include "attention_mask.h"
 #include "common.cuh"
 
 namespace kernel_ladder {
@@ -73,6 +89,156 @@ template <int kD, typename T>
 __device__ __forceinline__ void load_simt_tile(Acc<T>* tile, const T* matrix, int64_t row0, int64_t rows) {
   for (int e = static_cast<int>(threadIdx.x); e < kSimtTileRows * kD; e += static_cast<int>(blockDim.x)) {
     tile[e] = row0 + e / kD < rows ? to_acc(matrix[row0 * kD + e]) : Acc<T>(0);
+  }
+}
+
+// --- forward ------------------------------------------------------------------------------------
+
+// float32 / float64: one query row per group of SimtRows<kD>::kThreadsPerRow threads, its q and
+// running output in registers; K and V tiles of kSimtTileRows keys in shared memory.
+template <typename T, int kD>
+__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
+attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
+                              const T* __restrict__ v, T* __restrict__ out, T* __restrict__ lse) {
+  using A = Acc<T>;
+  using Rows = SimtRows<kD>;
+  __shared__ A k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
+  const int64_t bh = blockIdx.x / query_tiles;  // as in the tensor-core kernel: last query tiles first
+  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
+  const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
+  const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
+  q += bh * lq * kD;
+  k += bh * lk * kD;
+  v += bh * lk * kD;
+
+  A q_row[Rows::kColumns], o[Rows::kColumns] = {};
+  load_row_part<kD>(q_row, q, i, lq, part);
+  A row_max = -INFINITY, row_sum = 0;
+  const A scale = static_cast<A>(shape.scale);
+  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
+    __syncthreads();  // the previous tile is no longer read
+    load_simt_tile<kD>(k_tile, k, key0, lk);
+    load_simt_tile<kD>(v_tile, v, key0, lk);
+    __syncthreads();
+    A s[kSimtTileRows];
+    A tile_max = row_max;
+#pragma unroll
+    for (int j = 0; j < kSimtTileRows; ++j) {
+      s[j] = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
+      if (!visible.sees(i, key0 + j)) s[j] = -INFINITY;
+      tile_max = fmax(tile_max, s[j]);
+    }
+    if (tile_max == A(-INFINITY)) continue;  // no key of this row yet
+    const A rescale = exp_acc(row_max - tile_max);
+    row_sum *= rescale;
+#pragma unroll
+    for (int c = 0; c < Rows::kColumns; ++c) o[c] *= rescale;
+#pragma unroll
+    for (int j = 0; j < kSimtTileRows; ++j) {
+      const A p = exp_acc(s[j] - tile_max);
+      row_sum += p;
+      add_row_part<kD>(o, p, v_tile, j, part);
+    }
+    row_max = tile_max;
+  }
+  if (i < lq) {
+    store_row_part<kD>(out + bh * lq * kD, i, o, A(1) / row_sum, part);
+    if (part == 0) lse[bh * lq + i] = row_max + log(row_sum);
+  }
+}
+
+// --- backward -----------------------------------------------------------------------------------
+
+// dq for one query row per thread group (its q, dout, dq in registers), streaming the visible keys.
+template <typename T, int kD>
+__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
+attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
+                                  const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
+                                  const T* __restrict__ delta, T* __restrict__ grad_q) {
+  using Rows = SimtRows<kD>;
+  __shared__ T k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
+  const int64_t bh = blockIdx.x / query_tiles;  // last query tiles (most keys when causal) first
+  const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
+  const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
+  const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
+  const int64_t row = bh * lq + i;
+  k += bh * lk * kD;
+  v += bh * lk * kD;
+
+  T q_row[Rows::kColumns], dout_row[Rows::kColumns], dq[Rows::kColumns] = {};
+  load_row_part<kD>(q_row, q + bh * lq * kD, i, lq, part);
+  load_row_part<kD>(dout_row, grad_out + bh * lq * kD, i, lq, part);
+  const T row_lse = i < lq ? lse[row] : T(0), row_delta = i < lq ? delta[row] : T(0);
+  const T scale = static_cast<T>(shape.scale);
+  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
+    __syncthreads();  // the previous tile is no longer read
+    load_simt_tile<kD>(k_tile, k, key0, lk);
+    load_simt_tile<kD>(v_tile, v, key0, lk);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kSimtTileRows; ++j) {
+      const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
+      const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(dout_row, v_tile, j, part));
+      const T p = visible.sees(i, key0 + j) ? exp_acc(s - row_lse) : T(0);
+      add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
+    }
+  }
+  if (i < lq) store_row_part<kD>(grad_q + bh * lq * kD, i, dq, scale, part);
+}
+
+// dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
+// that see it.
+template <typename T, int kD>
+__global__ void __launch_bounds__(SimtRows<kD>::kThreads)
+attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
+                                     const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
+                                     const T* __restrict__ delta, T* __restrict__ grad_k, T* __restrict__ grad_v) {
+  using Rows = SimtRows<kD>;
+  __shared__ T q_tile[kSimtTileRows * kD], dout_tile[kSimtTileRows * kD];
+  __shared__ T lse_tile[kSimtTileRows], delta_tile[kSimtTileRows];
+  const VisibleKeys visible(shape);
+  const int64_t lq = shape.query_length, lk = shape.key_length, key_tiles = ceil_div(lk, Rows::kRowsPerBlock);
+  const int64_t bh = blockIdx.x / key_tiles;  // first key tiles (seen by most queries when causal) first
+  const int64_t j0 = blockIdx.x % key_tiles * Rows::kRowsPerBlock, j1 = min(j0 + Rows::kRowsPerBlock, lk);
+  const int64_t j = j0 + threadIdx.x / Rows::kThreadsPerRow;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
+  q += bh * lq * kD;
+  grad_out += bh * lq * kD;
+  lse += bh * lq;
+  delta += bh * lq;
+
+  T k_row[Rows::kColumns], v_row[Rows::kColumns], dk[Rows::kColumns] = {}, dv[Rows::kColumns] = {};
+  load_row_part<kD>(k_row, k + bh * lk * kD, j, lk, part);
+  load_row_part<kD>(v_row, v + bh * lk * kD, j, lk, part);
+  const T scale = static_cast<T>(shape.scale);
+  for (int64_t query0 = visible.first_query(j0); query0 < visible.end_query(j1 - 1); query0 += kSimtTileRows) {
+    __syncthreads();  // the previous tile is no longer read
+    load_simt_tile<kD>(q_tile, q, query0, lq);
+    load_simt_tile<kD>(dout_tile, grad_out, query0, lq);
+    if (threadIdx.x < kSimtTileRows) {
+      const bool valid = query0 + threadIdx.x < lq;
+      lse_tile[threadIdx.x] = valid ? lse[query0 + threadIdx.x] : T(0);
+      delta_tile[threadIdx.x] = valid ? delta[query0 + threadIdx.x] : T(0);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kSimtTileRows; ++r) {
+      const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(k_row, q_tile, r, part)) * scale;
+      const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(v_row, dout_tile, r, part));
+      const T p = visible.sees(query0 + r, j) ? exp_acc(s - lse_tile[r]) : T(0);
+      add_row_part<kD>(dv, p, dout_tile, r, part);
+      add_row_part<kD>(dk, p * (dp - delta_tile[r]), q_tile, r, part);
+    }
+  }
+  if (j < lk) {
+    store_row_part<kD>(grad_k + bh * lk * kD, j, dk, scale, part);
+    store_row_part<kD>(grad_v + bh * lk * kD, j, dv, T(1), part);
   }
 }
 

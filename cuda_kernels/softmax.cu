@@ -119,6 +119,20 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
   }
 }
 
+// y = exp(x - max) / sum for this thread's packs of a row (t, t + blockDim.x, ...), given the row's
+// statistics; load(pack) reads x's pack from wherever the kernel keeps it.
+template <typename T, int kVec, typename Load>
+__device__ __forceinline__ void write_probabilities(T* y_row, int64_t n_packs, MaxSum<Acc<T>> total, Load load) {
+  const Acc<T> inverse_sum = Acc<T>(1) / total.sum;
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load(pack);
+    Pack<T, kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(exp_acc(to_acc(in.val[j]) - total.max) * inverse_sum);
+    store_pack_once<T, kVec>(y_row + pack * kVec, out);
+  }
+}
+
 // The row is staged in shared memory, 16-byte packs. Each thread copies, and later reads, only its
 // own packs (t, t + blockDim.x, ...), so its own cp.async wait is all the ordering it needs; the one
 // barrier is the reduction's. Nothing is held in registers while the copies fly.
@@ -148,19 +162,13 @@ softmax_forward_shared_kernel(const T* __restrict__ x, T* __restrict__ y, int64_
 #pragma unroll
     for (int j = 0; j < kVec; ++j) mine.sum += exp_acc(to_acc(in.val[j]) - shift);
   }
-  const MaxSum<A> total = block_reduce(mine, Merge{});
-  const A inverse_sum = A(1) / total.sum;
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(row + pack * kVec);
-    Pack<T, kVec> out;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(exp_acc(to_acc(in.val[j]) - total.max) * inverse_sum);
-    store_pack_once<T, kVec>(y + int64_t{blockIdx.x} * n + pack * kVec, out);
-  }
+  write_probabilities<T, kVec>(y + int64_t{blockIdx.x} * n, n_packs, block_reduce(mine, Merge{}),
+                               [&](int64_t pack) { return load_pack<T, kVec>(row + pack * kVec); });
 }
 
-// Rows too long for shared memory, or not in 16-byte packs. Each thread folds its packs into a running (max, sum): when a pack
-// raises the max, the sum so far is rescaled by exp(old - new), so one pass gives the statistics.
+// Rows too long for shared memory, or not in 16-byte packs. Each thread folds its packs into a
+// running (max, sum): when a pack raises the max, the sum so far is rescaled by exp(old - new), so one
+// pass gives the statistics; the second pass re-reads x, mostly from L2.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads)
 softmax_forward_online_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
@@ -178,15 +186,8 @@ softmax_forward_online_kernel(const T* __restrict__ x, T* __restrict__ y, int64_
     for (int j = 0; j < kVec; ++j) packed.sum += exp_acc(to_acc(in.val[j]) - packed.max);
     mine = merge(mine, packed);
   }
-  const MaxSum<A> total = block_reduce(mine, Merge{});
-  const A inverse_sum = A(1) / total.sum;
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack_once<T, kVec>(x_row + pack * kVec);
-    Pack<T, kVec> out;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(exp_acc(to_acc(in.val[j]) - total.max) * inverse_sum);
-    store_pack_once<T, kVec>(y + int64_t{blockIdx.x} * n + pack * kVec, out);
-  }
+  write_probabilities<T, kVec>(y + int64_t{blockIdx.x} * n, n_packs, block_reduce(mine, Merge{}),
+                               [&](int64_t pack) { return load_pack_once<T, kVec>(x_row + pack * kVec); });
 }
 
 // dx = y * (dy - sum(dy * y)). Pass 2 re-reads the row, which the block has just pulled into L1/L2.
