@@ -29,7 +29,7 @@
 //
 // Measured (H100, (4, 16, 4096, 128) bfloat16, causal, CUDA-graph replays)
 //   the tensor-core kernel 2.99 ms (230 TFLOP/s); forward + backward through autograd 4.26 ms against
-//   3.61 ms for PyTorch SDPA's flash backend (0.85x its rate).
+//   3.61 ms for PyTorch SDPA's flash backend (0.85x its speed).
 //
 // Limits
 //   As the forward (attention_forward.cu). The float16/bfloat16 path sums dq in a nondeterministic
@@ -38,8 +38,6 @@
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_backward.cu -o /tmp/attention_backward.o
 //   python -m pytest tests -k "attention and cuda"
-#include <algorithm>
-
 #include "attention_mask.h"
 #include "attention_simt.cuh"
 #include "tensor_core.cuh"
