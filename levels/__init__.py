@@ -26,7 +26,7 @@ from .spec import (
     resolve_level,
 )
 
-COMPONENTS = ("swish", "layer_norm")
+COMPONENTS = ("swish", "layer_norm", "softmax", "attention")
 """Component names, in the order the lessons take them."""
 
 

@@ -11,6 +11,7 @@ is built on.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 def softmax_math(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The formula as a PyTorch user writes it: max, subtract and exponentiate, sum, divide."""
+    if x.shape[dim] == 0:  # rows of no elements: nothing to normalise (and amax of nothing is undefined)
+        return x.clone()
     shifted = x - x.amax(dim=dim, keepdim=True)
     exponentials = torch.exp(shifted)
     return exponentials / exponentials.sum(dim=dim, keepdim=True)
@@ -121,9 +124,11 @@ class _SoftmaxKernel(SoftmaxSpec):
 
     def compute(self, x):
         moved = x.movedim(self.dim, -1)
-        rows = moved.contiguous().view(-1, moved.shape[-1]) if x.dim() else x.reshape(1, 1)
+        if x.dim() == 0:
+            return self.backend().softmax(x.reshape(1, 1)).view(())
+        rows = moved.contiguous().view(math.prod(moved.shape[:-1]), moved.shape[-1])
         out = self.backend().softmax(rows)
-        return out.view(moved.shape).movedim(-1, self.dim) if x.dim() else out.view(())
+        return out.view(moved.shape).movedim(-1, self.dim)
 
 
 class SoftmaxTriton(_SoftmaxKernel):

@@ -14,7 +14,8 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ("cpu", "cuda") if HAS_CUDA else ("cpu",)
 
 # The shapes of the equivalence grid: odd sizes that are multiples of no block size, a row of one
-# element, a multi-dim normalized_shape, and a row long enough that levels 4 and 5 loop over it.
+# element, a multi-dim normalized_shape, rows long enough that levels 4 and 5 loop over them, and
+# attention with one query, a window, and queries shorter than keys.
 COMPONENT_CASES = {
     "swish": [
         ({"beta": 1.0}, (3, 7, 1000)),
@@ -26,6 +27,21 @@ COMPONENT_CASES = {
         ({"normalized_shape": (7, 33)}, (2, 7, 33)),
         ({"normalized_shape": 1}, (5, 1)),
         ({"normalized_shape": 70001, "eps": 1e-6}, (2, 70001)),
+    ],
+    "softmax": [
+        ({"dim": -1}, (3, 7, 1000)),
+        ({"dim": 0}, (300, 5)),
+        ({"dim": -1}, (2, 70001)),
+        ({"dim": -1}, (5, 1)),
+    ],
+    # (batch, heads, seq, head_dim); a tuple of three shapes is q, k, v: queries shorter than keys.
+    "attention": [
+        ({"causal": True}, (2, 3, 67, 32)),
+        ({"causal": False}, (2, 3, 67, 64)),
+        ({"causal": True, "window": 16}, (1, 2, 100, 128)),
+        ({"causal": True}, (1, 2, 1, 16)),
+        ({"causal": True}, ((1, 2, 5, 16), (1, 2, 70, 16), (1, 2, 70, 16))),
+        ({"causal": True, "window": 7}, ((1, 1, 3, 64), (1, 1, 40, 64), (1, 1, 40, 64))),
     ],
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import levels
+from levels import relative_max_error
 from profiling import perturb_parameters_
 
 
@@ -31,3 +32,15 @@ def forward_and_gradients(module, inputs, grad_output):
     output.backward(grad_output.to(output.dtype))
     gradients = [x.grad for x in inputs] + [p.grad for p in module.parameters()]
     return output, gradients
+
+
+def assert_matches_float64_reference(module, reference, inputs, tolerance):
+    """``module`` on ``inputs`` and ``reference`` on their float64 copies agree, output and every
+    gradient, for one random grad_output."""
+    with torch.no_grad():
+        grad_output = torch.randn_like(reference(*[x.to(torch.float64) for x in inputs]))
+    output, gradients = forward_and_gradients(module, inputs, grad_output)
+    expected, expected_gradients = forward_and_gradients(reference, [x.to(torch.float64) for x in inputs], grad_output)
+    assert output.shape == expected.shape
+    for actual, wanted in zip([output, *gradients], [expected, *expected_gradients]):
+        assert relative_max_error(actual, wanted) <= tolerance

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import levels
-from levels import TOLERANCE, relative_max_error
+from levels import TOLERANCE
 
 from .conftest import kernel_level_device_params
-from .helpers import build_pair, forward_and_gradients
+from .helpers import assert_matches_float64_reference, build_pair
 
 ALL_LEVELS = levels.LEVELS
 KERNEL_LEVELS = ("triton", "cuda")
@@ -90,8 +90,106 @@ def test_non_contiguous_input_gets_the_right_answer(level, device, component, co
     (x,) = module.example_inputs(shape[::-1], torch.float32, device)
     x = x.transpose(0, 1)  # a strided view, as a transposed activation would be
     assert not x.is_contiguous()
-    grad_output = torch.randn(shape, dtype=torch.float64, device=device)
-    output, gradients = forward_and_gradients(module, [x], grad_output)
-    expected, expected_gradients = forward_and_gradients(reference, [x.double()], grad_output)
-    for actual, wanted in zip([output, *gradients], [expected, *expected_gradients]):
-        assert relative_max_error(actual, wanted) <= TOLERANCE[torch.float32]
+    assert_matches_float64_reference(module, reference, [x], TOLERANCE[torch.float32])
+
+
+# --- attention ---------------------------------------------------------------------------------------
+
+def attention_inputs(q_shape, kv_shape=None, dtype=torch.float32, device="cpu"):
+    kv_shape = kv_shape or q_shape
+    return (torch.randn(q_shape, dtype=dtype, device=device),
+            torch.randn(kv_shape, dtype=dtype, device=device), torch.randn(kv_shape, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("q_shape,kv_shape", [
+    ((1, 2, 8, 16), (1, 3, 8, 16)),  # heads differ
+    ((1, 2, 8, 16), (1, 2, 8, 32)),  # head dims differ
+])
+def test_attention_mismatched_shapes_name_all_three(level, q_shape, kv_shape):
+    attention = levels.build("attention", level, causal=False)
+    with pytest.raises(ValueError, match="shapes do not fit together: q"):
+        attention(*attention_inputs(q_shape, kv_shape))
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_attention_k_and_v_of_different_shapes(level):
+    q, k, _ = attention_inputs((1, 2, 8, 16))
+    with pytest.raises(ValueError, match="shapes do not fit together"):
+        levels.build("attention", level)(q, k, torch.randn(1, 2, 9, 16))
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_attention_mixed_dtypes_are_refused(level):
+    q, k, v = attention_inputs((1, 2, 8, 16))
+    with pytest.raises(TypeError, match="q, k and v must share dtype and device"):
+        levels.build("attention", level)(q, k.double(), v)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5])
+def test_attention_window_must_be_a_positive_count(window):
+    with pytest.raises(ValueError, match="window must be a positive number of keys"):
+        levels.build("attention", "native", window=window)
+
+
+def test_attention_window_needs_causal():
+    with pytest.raises(ValueError, match="needs causal=True"):
+        levels.build("attention", "native", causal=False, window=8)
+
+
+@pytest.mark.parametrize("level", KERNEL_LEVELS)
+@pytest.mark.parametrize("head_dim", [8, 48, 256])
+def test_attention_unsupported_head_dim_names_the_supported_ones(level, head_dim):
+    with pytest.raises(ValueError, match=rf"head_dim {head_dim} is not supported .*16, 32, 64, 128"):
+        levels.build("attention", level)(*attention_inputs((1, 2, 8, head_dim)))
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_attention_more_causal_queries_than_keys_is_refused(level):
+    with pytest.raises(ValueError, match="causal attention with 9 queries but only 4 keys"):
+        levels.build("attention", level)(*attention_inputs((1, 2, 9, 16), (1, 2, 4, 16)))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 8, 16), (1, 0, 8, 16), (1, 2, 0, 16)])
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_attention_empty_batch_gives_empty_outputs_and_gradients(level, device, shape):
+    q, k, v = (x.requires_grad_(True) for x in attention_inputs(shape, device=device))
+    output = levels.build("attention", level)(q, k, v)
+    assert output.shape == shape
+    output.backward(torch.randn(shape, device=device))
+    assert q.grad.shape == k.grad.shape == v.grad.shape == shape
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_attention_non_contiguous_inputs_get_the_right_answer(level, device):
+    module, reference = build_pair("attention", level, {"causal": True, "window": 5}, device, torch.float32)
+    # (batch, seq, heads, head_dim) memory seen as (batch, heads, seq, head_dim): the layout a fused
+    # qkv projection leaves behind.
+    q, k, v = (x.transpose(1, 2) for x in attention_inputs((2, 19, 3, 32), device=device))
+    assert not q.is_contiguous()
+    assert_matches_float64_reference(module, reference, [q, k, v], TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_attention_integer_inputs_name_the_supported_dtypes(level, dtype):
+    with pytest.raises(TypeError, match="supports: .*float32"):
+        levels.build("attention", level)(*(torch.ones(1, 2, 8, 16, dtype=dtype) for _ in range(3)))
+
+
+# --- softmax -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("shape,dim", [((0, 7), -1), ((3, 0), -1), ((4, 6), 0)])
+def test_softmax_empty_and_other_dims(level, device, shape, dim):
+    module, reference = build_pair("softmax", level, {"dim": dim}, device, torch.float32)
+    (x,) = module.example_inputs(shape, torch.float32, device)
+    assert_matches_float64_reference(module, reference, [x], TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_softmax_non_contiguous_input_gets_the_right_answer(level, device):
+    module, reference = build_pair("softmax", level, {"dim": -1}, device, torch.float32)
+    x = torch.randn(50, 30, device=device).t()
+    assert not x.is_contiguous()
+    assert_matches_float64_reference(module, reference, [x], TOLERANCE[torch.float32])

@@ -18,6 +18,8 @@ NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kerne
     ("swish", {"beta": 1.3}, (3, 5)),
     ("layer_norm", {"normalized_shape": 9}, (4, 9)),
     ("layer_norm", {"normalized_shape": (2, 3)}, (3, 2, 3)),
+    ("softmax", {"dim": -1}, (3, 7)),
+    ("softmax", {"dim": 0}, (5, 2)),
 ])
 def test_gradients_pass_float64_gradcheck(component, config, shape, level, device):
     module = levels.build(component, level, **config).to(device=device, dtype=torch.float64)
@@ -31,13 +33,30 @@ def test_gradients_pass_float64_gradcheck(component, config, shape, level, devic
     assert torch.autograd.gradcheck(function, (x.requires_grad_(True), *parameters))
 
 
-def op_samples(device, dtype):
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("config,query_length", [
+    ({"causal": True}, 9),
+    ({"causal": True, "window": 3}, 9),
+    ({"causal": False}, 9),
+    ({"causal": True}, 4),  # queries aligned to the end of 9 keys
+])
+def test_attention_gradients_pass_float64_gradcheck(config, query_length, level, device):
+    module = levels.build("attention", level, **config)
+    q = torch.randn(1, 2, query_length, 16, dtype=torch.float64, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(module, (q, k, v))
+
+
+def op_samples(namespace, device, dtype):
     """(op name, args) for every op of a backend, on fresh random tensors."""
     x = torch.randn(6, 37, device=device, dtype=dtype)
     weight = torch.randn(37, device=device, dtype=dtype)
     bias = torch.randn(37, device=device, dtype=dtype)
     grad = torch.randn(6, 37, device=device, dtype=dtype)
     statistics_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v, attention_grad = (torch.randn(2, 3, 19, 16, device=device, dtype=dtype) for _ in range(4))
+    attention_args = (True, 5, 0.25)  # causal, window, scale
+    out, log_sum_exp = getattr(torch.ops, namespace).attention_forward(q, k, v, *attention_args)
     mean = x.to(statistics_dtype).mean(-1)
     rstd = torch.rsqrt(x.to(statistics_dtype).var(-1, unbiased=False) + 1e-5)
     return [
@@ -46,6 +65,11 @@ def op_samples(device, dtype):
         ("layer_norm_forward", (x.clone().requires_grad_(True), weight.clone().requires_grad_(True),
                                 bias.clone().requires_grad_(True), 1e-5)),
         ("layer_norm_backward", (grad, x, weight, mean, rstd)),
+        ("softmax_forward", (x.clone().requires_grad_(True),)),
+        ("softmax_backward", (grad, torch.softmax(x, -1))),
+        ("attention_forward", (q.clone().requires_grad_(True), k.clone().requires_grad_(True),
+                               v.clone().requires_grad_(True), *attention_args)),
+        ("attention_backward", (attention_grad, q, k, v, out, log_sum_exp, *attention_args)),
     ]
 
 
@@ -53,6 +77,6 @@ def op_samples(device, dtype):
 def test_every_op_passes_opcheck(level, device):
     namespace, load = NAMESPACES[level]
     load()
-    for op_name, args in op_samples(device, torch.float32):
+    for op_name, args in op_samples(namespace, device, torch.float32):
         op = getattr(getattr(torch.ops, namespace), op_name).default
         torch.library.opcheck(op, args)
