@@ -124,8 +124,6 @@ class _SoftmaxKernel(SoftmaxSpec):
 
     def compute(self, x):
         moved = x.movedim(self.dim, -1)
-        if x.dim() == 0:
-            return self.backend().softmax(x.reshape(1, 1)).view(())
         rows = moved.contiguous().view(math.prod(moved.shape[:-1]), moved.shape[-1])
         out = self.backend().softmax(rows)
         return out.view(moved.shape).movedim(-1, self.dim)

@@ -44,9 +44,6 @@ class Benchmark:
     backward: bool = False
     config: dict | None = None  # constructor arguments; None: the component's default for the shape
 
-    def __hash__(self):
-        return hash(self.name)
-
 
 def _elementwise_benchmarks() -> list[Benchmark]:
     benchmarks = []
@@ -75,7 +72,6 @@ BENCHMARKS = _elementwise_benchmarks() + [
     Benchmark("attention forward window 1024 seq 16384", "attention", LONG_ATTENTION_SHAPE, torch.bfloat16, False,
               {"causal": True, "window": 1024}),
 ]
-BENCHMARKS_BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import levels
 from levels import TOLERANCE
 
 from .conftest import kernel_level_device_params
-from .helpers import assert_matches_float64_reference, build_pair
+from .helpers import assert_matches_float64_reference, build_pair, make_inputs
 
 ALL_LEVELS = levels.LEVELS
 KERNEL_LEVELS = ("triton", "cuda")
@@ -97,8 +97,7 @@ def test_non_contiguous_input_gets_the_right_answer(level, device, component, co
 
 def attention_inputs(q_shape, kv_shape=None, dtype=torch.float32, device="cpu"):
     kv_shape = kv_shape or q_shape
-    return (torch.randn(q_shape, dtype=dtype, device=device),
-            torch.randn(kv_shape, dtype=dtype, device=device), torch.randn(kv_shape, dtype=dtype, device=device))
+    return make_inputs(None, (q_shape, kv_shape, kv_shape), dtype, device)
 
 
 @pytest.mark.parametrize("level", ALL_LEVELS)

@@ -115,20 +115,26 @@ def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.const
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     _check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    rows, n = x.shape
-    y = torch.empty_like(x)
-    if x.numel() == 0:
-        return y
+    return _run_row_kernels(_softmax_fwd_online_kernel, _softmax_fwd_kernel, x)
+
+
+def _run_row_kernels(looped_kernel, tiled_kernel, *inputs: torch.Tensor) -> torch.Tensor:
+    """One output shaped like the (rows, N) ``inputs``: rows that fit a block go several to a program
+    (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``)."""
+    rows, n = inputs[-1].shape
+    out = torch.empty_like(inputs[-1])
+    if out.numel() == 0:
+        return out
     tile = row_tile(n)
-    with on_device(x):
+    compute = compute_dtype(out.dtype)
+    with on_device(out):
         if tile.looped:
-            _softmax_fwd_online_kernel[(rows,)](x, y, n, BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
-                                                num_warps=tile.num_warps)
+            looped_kernel[(rows,)](*inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute, num_warps=tile.num_warps)
         else:
-            _softmax_fwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
-                x, y, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
-    return y
+            tiled_kernel[(cdiv(rows, tile.rows_per_tile),)](
+                *inputs, out, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute,
+                num_warps=tile.num_warps)
+    return out
 
 
 # --- backward ----------------------------------------------------------------------------------------
@@ -170,20 +176,7 @@ def _softmax_bwd_looped_kernel(DY, Y, DX, N, BLOCK_N: tl.constexpr, COMPUTE: tl.
 def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
     check_inputs("softmax_backward", grad_out, y)
-    rows, n = y.shape
-    grad_x = torch.empty_like(y)
-    if y.numel() == 0:
-        return grad_x
-    tile = row_tile(n)
-    with on_device(y):
-        if tile.looped:
-            _softmax_bwd_looped_kernel[(rows,)](grad_out, y, grad_x, n, BLOCK_N=tile.block_n,
-                                                COMPUTE=compute_dtype(y.dtype), num_warps=tile.num_warps)
-        else:
-            _softmax_bwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
-                grad_out, y, grad_x, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                COMPUTE=compute_dtype(y.dtype), num_warps=tile.num_warps)
-    return grad_x
+    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, grad_out, y)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
