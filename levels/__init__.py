@@ -26,7 +26,7 @@ from .spec import (
     resolve_level,
 )
 
-COMPONENTS = ("swish", "layer_norm", "softmax", "attention")
+COMPONENTS = ("swish", "layer_norm", "softmax", "attention", "feed_forward", "self_attention", "transformer_block", "gpt")
 """Component names, in the order the lessons take them."""
 
 

@@ -83,6 +83,11 @@ def relative_max_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return ((actual - reference).abs().max() / scale).item()
 
 
+def as_reference_input(tensor: torch.Tensor) -> torch.Tensor:
+    """The float64 reference's copy of an input: floating tensors in float64, token ids as they are."""
+    return tensor.detach().to(torch.float64) if tensor.is_floating_point() else tensor
+
+
 def check_floating_input(name: str, tensor: torch.Tensor, level: str) -> None:
     """Raise ``TypeError`` unless ``tensor`` has a dtype that ``level`` computes on its device."""
     if not isinstance(tensor, torch.Tensor):

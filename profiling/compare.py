@@ -29,6 +29,7 @@ from levels.spec import (
     LEVEL_TITLES,
     TOLERANCE,
     ComponentSpec,
+    as_reference_input,
     default_device_and_dtype,
     relative_max_error,
     resolve_level,
@@ -101,7 +102,7 @@ def compare_optimization_levels(
     else:
         inputs = (torch.randn(input_shape, dtype=dtype, device=device),)
         reference = copy.deepcopy(next(iter(candidates.values()))).to(dtype=torch.float64)
-    reference_inputs = tuple(x.detach().to(torch.float64).requires_grad_(backward) for x in inputs)
+    reference_inputs = tuple(as_reference_input(x).requires_grad_(backward and x.is_floating_point()) for x in inputs)
     reference_output = reference(*reference_inputs)
     grad_output = torch.randn_like(reference_output).to(dtype) if backward else None
     reference_values = [reference_output]
@@ -169,12 +170,12 @@ def _candidates(component_or_modules, input_shape, chosen_levels, config, refere
 
 
 def _gradients(inputs, module) -> list[torch.Tensor]:
-    tensors = [x.grad for x in inputs] + [p.grad for p in module.parameters()]
+    tensors = [x.grad for x in inputs if x.is_floating_point()] + [p.grad for p in module.parameters()]
     return [g if g is not None else torch.zeros(()) for g in tensors]
 
 
 def _measure(module, inputs, grad_output, reference_values, device, dtype, budget_s) -> dict:
-    inputs = tuple(x.detach().requires_grad_(grad_output is not None) for x in inputs)
+    inputs = tuple(x.detach().requires_grad_(grad_output is not None and x.is_floating_point()) for x in inputs)
     parameters = list(module.parameters())
 
     def step():

@@ -15,7 +15,8 @@ DEVICES = ("cpu", "cuda") if HAS_CUDA else ("cpu",)
 
 # The shapes of the equivalence grid: odd sizes that are multiples of no block size, a row of one
 # element, a multi-dim normalized_shape, rows long enough that levels 4 and 5 loop over them, and
-# attention with one query, a window, and queries shorter than keys.
+# attention with one query, a window, and queries shorter than keys; the composites (feed-forward,
+# self-attention, block, GPT) at widths and token counts that are multiples of no block either.
 COMPONENT_CASES = {
     "swish": [
         ({"beta": 1.0}, (3, 7, 1000)),
@@ -44,6 +45,21 @@ COMPONENT_CASES = {
         ({"causal": True}, ((1, 2, 1, 16), (1, 2, 9, 16), (1, 2, 9, 16))),
         ({"causal": True}, ((1, 2, 5, 16), (1, 2, 70, 16), (1, 2, 70, 16))),
         ({"causal": True, "window": 7}, ((1, 1, 3, 64), (1, 1, 40, 64), (1, 1, 40, 64))),
+    ],
+    # (..., n_embd) for the feed-forward and the block parts, (batch, tokens) of token ids for the GPT.
+    "feed_forward": [
+        ({"n_embd": 48}, (3, 7, 48)),
+        ({"n_embd": 33, "hidden": 67, "bias": False}, (5, 33)),
+    ],
+    "self_attention": [
+        ({"n_embd": 64, "n_head": 2}, (2, 13, 64)),
+        ({"n_embd": 64, "n_head": 4, "window": 5}, (1, 21, 64)),
+    ],
+    "transformer_block": [
+        ({"n_embd": 64, "n_head": 2}, (2, 11, 64)),
+    ],
+    "gpt": [
+        ({"vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 16}, (2, 13)),
     ],
 }
 

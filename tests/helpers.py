@@ -6,6 +6,7 @@ import torch
 
 import levels
 from levels import relative_max_error
+from levels.spec import as_reference_input
 from profiling import perturb_parameters_
 
 
@@ -26,11 +27,12 @@ def make_inputs(module, shape, dtype, device):
 
 
 def forward_and_gradients(module, inputs, grad_output):
-    """The output and the gradients of every input and parameter, for ``grad_output`` flowing back."""
-    inputs = tuple(x.detach().requires_grad_(True) for x in inputs)
+    """The output and the gradients of every floating input (not token ids) and every parameter, for
+    ``grad_output`` flowing back."""
+    inputs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
     output = module(*inputs)
     output.backward(grad_output.to(output.dtype))
-    gradients = [x.grad for x in inputs] + [p.grad for p in module.parameters()]
+    gradients = [x.grad for x in inputs if x.is_floating_point()] + [p.grad for p in module.parameters()]
     return output, gradients
 
 
@@ -38,9 +40,9 @@ def assert_matches_float64_reference(module, reference, inputs, tolerance):
     """``module`` on ``inputs`` and ``reference`` on their float64 copies agree, output and every
     gradient, for one random grad_output."""
     with torch.no_grad():
-        grad_output = torch.randn_like(reference(*[x.to(torch.float64) for x in inputs]))
+        grad_output = torch.randn_like(reference(*map(as_reference_input, inputs)))
     output, gradients = forward_and_gradients(module, inputs, grad_output)
-    expected, expected_gradients = forward_and_gradients(reference, [x.to(torch.float64) for x in inputs], grad_output)
+    expected, expected_gradients = forward_and_gradients(reference, list(map(as_reference_input, inputs)), grad_output)
     assert output.shape == expected.shape
     for actual, wanted in zip([output, *gradients], [expected, *expected_gradients]):
         assert relative_max_error(actual, wanted) <= tolerance

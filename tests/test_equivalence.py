@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from levels import TOLERANCE, relative_max_error
+from levels.spec import as_reference_input
 
 from .conftest import grid_params
 from .helpers import build_pair, forward_and_gradients, make_inputs
@@ -17,13 +18,14 @@ def test_forward_and_backward_match_float64_reference(component, config, shape, 
     with torch.no_grad():
         # Rounded to the level's dtype first, so the level and the reference see the same gradient
         # (otherwise float16 rounding of grad_output alone, amplified by cancellation, is "error").
-        grad_output = torch.randn_like(reference(*[x.to(torch.float64) for x in inputs])).to(dtype).to(torch.float64)
+        grad_output = torch.randn_like(reference(*map(as_reference_input, inputs))).to(dtype).to(torch.float64)
 
     output, gradients = forward_and_gradients(module, inputs, grad_output)
-    expected, expected_gradients = forward_and_gradients(reference, [x.to(torch.float64) for x in inputs], grad_output)
+    expected, expected_gradients = forward_and_gradients(reference, list(map(as_reference_input, inputs)), grad_output)
 
     assert output.dtype == dtype and output.shape == expected.shape
-    input_names = ["grad input"] if len(inputs) == 1 else [f"grad input {i}" for i in range(len(inputs))]
+    floating_inputs = [x for x in inputs if x.is_floating_point()]  # token ids have no gradient
+    input_names = ["grad input"] if len(floating_inputs) == 1 else [f"grad input {i}" for i in range(len(floating_inputs))]
     names = ["output", *input_names] + [f"grad {name}" for name, _ in module.named_parameters()]
     for name, actual, wanted in zip(names, [output, *gradients], [expected, *expected_gradients]):
         assert actual is not None, f"{name} was not computed"

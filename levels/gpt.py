@@ -1,0 +1,199 @@
+"""A tiny GPT (GPT-2's architecture, nanoGPT's layout) at five levels, each made of that level's blocks.
+
+Token and position embeddings, ``n_layer`` pre-LayerNorm transformer blocks, a final LayerNorm and an
+LM head tied to the token embedding. ``generate`` decodes with a KV cache: the prompt goes through once,
+then every new token is one query attending to the cached keys and values, which is the case the
+attention kernels of levels 4 and 5 handle with queries shorter than keys.
+
+What is not a ladder component stays PyTorch at every level, on purpose and said here: the embedding
+lookups (a gather, not a lesson), the residual adds, and the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .backends import linear
+from .layer_norm import IMPLEMENTATIONS as LAYER_NORM
+from .self_attention import KVCache, check_heads
+from .spec import ComponentSpec
+from .transformer_block import IMPLEMENTATIONS as TRANSFORMER_BLOCK
+
+GPT2_SMALL = {"vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
+"""GPT-2 small (124M parameters), with the vocabulary padded from 50257 to a multiple of 64 as nanoGPT does."""
+
+TINY = {"vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 64}
+"""A model small enough for the CPU and Triton's interpreter to run in seconds (head dim 32)."""
+
+
+class GPTSpec(ComponentSpec):
+    """A GPT-2-style language model.
+
+    logits = ln_f(blocks(wte[idx] + wpe[positions]))·wteᵀ
+
+    Args:
+        vocab_size: number of token ids; n_layer: blocks; n_head: attention heads per block;
+        n_embd: model width (a multiple of n_head); block_size: the longest sequence (positions);
+        window: sliding-window attention in every block (None: full causal).
+
+    Parameters: ``wte`` (vocab_size × n_embd, also the LM head), ``wpe`` (block_size × n_embd), ``h`` (the
+    blocks), ``ln_f``: the same ``state_dict`` at every level. Call: ``gpt(idx)`` with idx a (batch,
+    tokens) tensor of token ids; returns (batch, tokens, vocab_size) logits.
+    """
+
+    component = "gpt"
+    compute_bound = True
+    default_shapes = {"cuda": (8, 1024), "cpu": (2, 32)}
+
+    def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,
+                 window: Optional[int] = None):
+        check_heads(int(n_embd), int(n_head))
+        if vocab_size <= 0 or n_layer <= 0 or block_size <= 0:
+            raise ValueError(f"vocab_size, n_layer and block_size must be positive, got {vocab_size}, {n_layer}, "
+                             f"{block_size}")
+        super().__init__(vocab_size=int(vocab_size), n_layer=int(n_layer), n_head=int(n_head), n_embd=int(n_embd),
+                         block_size=int(block_size), window=window)
+        level = self.level or "native"
+        self.vocab_size, self.n_embd, self.block_size = int(vocab_size), int(n_embd), int(block_size)
+        self.wte = nn.Embedding(self.vocab_size, self.n_embd)
+        self.wpe = nn.Embedding(self.block_size, self.n_embd)
+        self.h = nn.ModuleList(TRANSFORMER_BLOCK[level](n_embd, n_head, window=window) for _ in range(n_layer))
+        self.ln_f = LAYER_NORM[level](normalized_shape=self.n_embd)
+        self._initialise(int(n_layer))
+
+    def _initialise(self, n_layer: int) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections that write into
+        the residual stream scaled by 1/√(2·n_layer), so the stream's variance does not grow with depth."""
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif name.startswith(("wte", "wpe")) or name.endswith(("c_attn.weight", "c_fc.weight")):
+                nn.init.normal_(parameter, std=0.02)
+            elif name.endswith("c_proj.weight"):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer))
+
+    # --- the computation ---------------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.check_inputs(idx)
+        return self.compute(idx)
+
+    def check_inputs(self, idx: torch.Tensor, past: int = 0) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"gpt takes token ids as an int64 or int32 tensor, got "
+                            f"{getattr(idx, 'dtype', type(idx).__name__)}")
+        if idx.dim() != 2:
+            raise ValueError(f"gpt takes token ids of shape (batch, tokens), got {tuple(idx.shape)}")
+        if idx.device != self.wte.weight.device:
+            raise ValueError(f"token ids are on {idx.device} but the model is on {self.wte.weight.device}")
+        if past + idx.shape[1] > self.block_size:
+            raise ValueError(f"{past + idx.shape[1]} tokens do not fit the model's block_size={self.block_size} "
+                             f"(it has that many positions)")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from {int(idx.min())} "
+                             f"to {int(idx.max())}")
+
+    def compute(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None,
+                last_token_only: bool = False) -> torch.Tensor:
+        past = len(caches[0]) if caches else 0
+        positions = torch.arange(past, past + idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for index, block in enumerate(self.h):
+            x = block(x, caches[index] if caches else None)
+        x = self.ln_f(x)
+        if last_token_only:
+            x = x[:, -1:]
+        return linear(self.level or "native", x, self.wte.weight)  # the LM head, tied to the token embedding
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Continue each row of ``idx`` (batch, tokens) by ``max_new_tokens`` tokens; returns the prompt
+        and the new tokens. ``temperature`` 0 picks the most likely token (greedy, deterministic);
+        above 0 it samples from softmax(logits / temperature). The prompt and the new tokens must fit
+        in ``block_size`` (no cropping: a KV cache cannot forget its first tokens' positions)."""
+        self.check_inputs(idx, past=max_new_tokens)
+        caches = [KVCache() for _ in self.h]
+        tokens = [idx]
+        logits = self.compute(idx, caches, last_token_only=True)
+        for step in range(max_new_tokens):
+            next_token = self._choose(logits[:, -1].float(), temperature, generator)
+            tokens.append(next_token)
+            if step + 1 < max_new_tokens:
+                logits = self.compute(next_token, caches)
+        return torch.cat(tokens, dim=1)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        probabilities = torch.softmax(logits / temperature, dim=-1)
+        return torch.multinomial(probabilities, 1, generator=generator)
+
+    # --- what the lessons and the profiler ask of a component ---------------------------------------------
+    @classmethod
+    def config_for_shape(cls, input_shape):
+        """GPT-2 small for sequences of 512 tokens or more (a GPU shape), else the tiny model."""
+        tokens = int(input_shape[-1])
+        return dict(GPT2_SMALL) if tokens >= 512 else dict(TINY, block_size=tokens)
+
+    def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor]:
+        """Random token ids of ``shape`` (batch, tokens); ``dtype`` is the model's and does not apply to ids."""
+        device = torch.device(device) if device is not None else self.wte.weight.device
+        return (torch.randint(0, self.vocab_size, tuple(shape), device=device),)
+
+    def flops(self, shape, backward=False) -> int:
+        batch, tokens = shape
+        hidden_shape = (batch, tokens, self.n_embd)
+        blocks = sum(block.flops(hidden_shape, backward) for block in self.h)
+        lm_head = 2 * batch * tokens * self.n_embd * self.vocab_size * (3 if backward else 1)
+        return blocks + lm_head
+
+    def bytes_moved(self, shape, dtype, backward=False) -> int:
+        batch, tokens = shape
+        hidden_shape = (batch, tokens, self.n_embd)
+        blocks = sum(block.bytes_moved(hidden_shape, dtype, backward) for block in self.h)
+        logits = batch * tokens * self.vocab_size * dtype.itemsize
+        return blocks + (self.wte.weight.numel() * dtype.itemsize + logits) * (3 if backward else 1)
+
+
+class GPTNative(GPTSpec):
+    """Level 1: level 1's blocks: every part as separate tensor ops."""
+
+    level = "native"
+
+
+class GPTTorchScript(GPTSpec):
+    """Level 2: level 2's blocks: scripted parts (the legacy fuser)."""
+
+    level = "torchscript"
+
+
+class GPTCompiled(GPTSpec):
+    """Level 3: level 3's blocks: every part compiled by Inductor."""
+
+    level = "compile"
+
+
+class GPTTriton(GPTSpec):
+    """Level 4: level 4's blocks and LM head: our Triton kernels."""
+
+    level = "triton"
+
+
+class GPTCUDA(GPTSpec):
+    """Level 5: level 5's blocks and LM head: our CUDA kernels around cuBLAS matmuls."""
+
+    level = "cuda"
+
+
+IMPLEMENTATIONS = {
+    "native": GPTNative,
+    "torchscript": GPTTorchScript,
+    "compile": GPTCompiled,
+    "triton": GPTTriton,
+    "cuda": GPTCUDA,
+}

@@ -1,0 +1,156 @@
+"""Causal self-attention as GPT-2 has it: one fused q·k·v projection, multi-head attention, an output
+projection, at five levels.
+
+The level's own parts do the work: its ``linear`` for the two projections (``levels.backends.linear``)
+and its attention component (``levels.attention``) for the heads. At levels 1-3 the score matrix is
+materialised; at levels 4 and 5 it never leaves the chip. With a ``KVCache`` the same module decodes:
+the keys and values of earlier tokens are kept, and only the new tokens' queries attend to them (a
+query shorter than the keys, aligned to their end).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import attention as attention_component
+from .backends import linear
+from .spec import ComponentSpec, default_device_and_dtype, element_count
+
+
+class KVCache:
+    """The keys and values one attention layer has seen, (batch, heads, tokens, head_dim) each; they grow
+    by the new tokens' keys and values at every call. Empty until the first call (the prompt)."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys and values; return all of them so far."""
+        if self.keys is not None:
+            keys = torch.cat((self.keys, keys), dim=-2)
+            values = torch.cat((self.values, values), dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def check_heads(n_embd: int, n_head: int) -> int:
+    """The head dim, or a clear error when ``n_embd`` does not split into ``n_head`` heads."""
+    if n_head <= 0 or n_embd <= 0 or n_embd % n_head != 0:
+        raise ValueError(f"n_embd={n_embd} must be a positive multiple of n_head={n_head} (each head gets "
+                         f"n_embd / n_head features)")
+    return n_embd // n_head
+
+
+class SelfAttentionSpec(ComponentSpec):
+    """Multi-head causal self-attention with input and output projections (GPT-2's ``attn``).
+
+    q, k, v = split(x·W_attnᵀ + b_attn);  y = concat_heads(attention(q, k, v))·W_projᵀ + b_proj
+
+    Args:
+        n_embd: model width; n_head: number of heads (n_embd / n_head is the head dim, which levels 4
+            and 5 support for 16, 32, 64 and 128).
+        window: sliding-window attention over the last ``window`` tokens (None: full causal).
+
+    Parameters: ``c_attn`` (3·n_embd × n_embd) and ``c_proj`` (n_embd × n_embd), ``nn.Linear``s named as in
+    GPT-2. Call: ``attn(x)`` or ``attn(x, cache)`` with x of shape (batch, tokens, n_embd).
+    """
+
+    component = "self_attention"
+    compute_bound = True
+    default_shapes = {"cuda": (8, 1024, 768), "cpu": (2, 64, 128)}
+
+    def __init__(self, n_embd: int, n_head: int, window: Optional[int] = None):
+        self.head_dim = check_heads(int(n_embd), int(n_head))
+        super().__init__(n_embd=int(n_embd), n_head=int(n_head), window=window)
+        self.n_embd, self.n_head = int(n_embd), int(n_head)
+        self.c_attn = nn.Linear(self.n_embd, 3 * self.n_embd)
+        self.c_proj = nn.Linear(self.n_embd, self.n_embd)
+        # This level's attention: no parameters, so the state_dict is the same at every level.
+        self.attention = attention_component.IMPLEMENTATIONS[self.level or "native"](causal=True, window=window)
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        self.check_inputs(x)
+        return self.compute(x, cache)
+
+    def check_inputs(self, x: torch.Tensor) -> None:
+        super().check_inputs(x)
+        if x.dim() != 3 or x.shape[-1] != self.n_embd:
+            raise ValueError(f"{self.component} expects x of shape (batch, tokens, n_embd={self.n_embd}), "
+                             f"got {tuple(x.shape)}")
+
+    def compute(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = linear(self.level, x, self.c_attn.weight, self.c_attn.bias)
+        # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views
+        q, k, v = qkv.view(batch, tokens, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        heads = self.attention(q, k, v)
+        merged = heads.transpose(1, 2).reshape(batch, tokens, width)
+        return linear(self.level, merged, self.c_proj.weight, self.c_proj.bias)
+
+    @classmethod
+    def config_for_shape(cls, input_shape):
+        width = int(input_shape[-1])
+        return {"n_embd": width, "n_head": max(1, width // 64)}  # GPT-2's head dim of 64
+
+    def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor]:
+        dtype, device = default_device_and_dtype(dtype, device)
+        return (torch.randn(tuple(shape), dtype=dtype, device=device),)
+
+    def flops(self, shape, backward=False) -> int:
+        batch, tokens, width = shape
+        projections = 2 * batch * tokens * width * 4 * width  # q·k·v (3 widths) and output (1 width)
+        heads = self.attention.flops((batch, self.n_head, tokens, self.head_dim))
+        return (projections + heads) * (3 if backward else 1)
+
+    def bytes_moved(self, shape, dtype, backward=False) -> int:
+        activations = element_count(shape) * dtype.itemsize
+        weights = sum(p.numel() for p in self.parameters()) * dtype.itemsize
+        return (2 * activations + weights) * (3 if backward else 1)
+
+
+class SelfAttentionNative(SelfAttentionSpec):
+    """Level 1: ``F.linear`` projections around level 1's materialised attention."""
+
+    level = "native"
+
+
+class SelfAttentionTorchScript(SelfAttentionSpec):
+    """Level 2: ``F.linear`` projections around level 2's scripted attention."""
+
+    level = "torchscript"
+
+
+class SelfAttentionCompiled(SelfAttentionSpec):
+    """Level 3: ``F.linear`` projections (the cuBLAS call Inductor would make) around level 3's compiled attention."""
+
+    level = "compile"
+
+
+class SelfAttentionTriton(SelfAttentionSpec):
+    """Level 4: our Triton matmul for the projections, our Triton flash attention for the heads."""
+
+    level = "triton"
+
+
+class SelfAttentionCUDA(SelfAttentionSpec):
+    """Level 5: the extension's linear op (cuBLAS, our bias-gradient kernel) and our CUDA flash attention."""
+
+    level = "cuda"
+
+
+IMPLEMENTATIONS = {
+    "native": SelfAttentionNative,
+    "torchscript": SelfAttentionTorchScript,
+    "compile": SelfAttentionCompiled,
+    "triton": SelfAttentionTriton,
+    "cuda": SelfAttentionCUDA,
+}

@@ -1,0 +1,107 @@
+"""The tiny GPT and its parts: the same tokens at every level, a KV cache that changes nothing, and
+clear errors for bad token ids, too-long sequences and widths that do not split into heads.
+(Logits and every parameter gradient against float64 are in the equivalence grid, test_equivalence.py.)"""
+
+import pytest
+import torch
+
+import levels
+from levels.gpt import TINY
+from profiling import perturb_parameters_
+
+from .conftest import device_param, kernel_level_device_params, level_devices
+
+ALL_LEVELS = levels.LEVELS
+CONFIG = dict(TINY, block_size=32)
+
+
+def tiny_gpt(level, device="cpu"):
+    """The tiny GPT at ``level`` with level 1's perturbed weights (seed 1), in float32 on ``device``."""
+    native = perturb_parameters_(levels.build("gpt", "native", **CONFIG), seed=1)
+    model = levels.build("gpt", level, **CONFIG)
+    model.load_state_dict(native.state_dict())
+    return model.to(device).eval()
+
+
+@pytest.mark.parametrize("device", [device_param("cpu"), device_param("cuda")])
+def test_greedy_generation_gives_identical_tokens_at_every_level(device):
+    prompt = torch.randint(0, CONFIG["vocab_size"], (2, 5), device=device)
+    generated = {}
+    for level in ALL_LEVELS:
+        if device not in level_devices(level):
+            continue  # Triton runs CPU tensors only when no GPU is present
+        generated[level] = tiny_gpt(level, device).generate(prompt, max_new_tokens=20)
+    native = generated["native"]
+    assert native.shape == (2, 25) and torch.equal(native[:, :5], prompt)
+    for level, tokens in generated.items():
+        assert torch.equal(tokens, native), f"level {level!r} generated {tokens.tolist()}, level 1 {native.tolist()}"
+
+
+@pytest.mark.parametrize("level", ("native", "triton", "cuda"))
+def test_generation_with_kv_cache_matches_recomputing_the_whole_sequence(level):
+    model = tiny_gpt(level)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (3, 4))
+    with torch.no_grad():
+        recomputed = prompt
+        for _ in range(6):
+            next_token = model(recomputed)[:, -1].argmax(dim=-1, keepdim=True)
+            recomputed = torch.cat((recomputed, next_token), dim=1)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6), recomputed)
+
+
+def test_sampling_with_temperature_is_reproducible_and_in_range():
+    model = tiny_gpt("native")
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, 3))
+    first = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    again = model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(first, again)
+    assert first.min() >= 0 and first.max() < CONFIG["vocab_size"]
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_token_ids_out_of_range_name_the_vocabulary_size(level):
+    model = levels.build("gpt", level, **CONFIG)
+    with pytest.raises(ValueError, match=r"vocab_size=96.*to 96"):
+        model(torch.tensor([[1, 2, 96]]))
+    with pytest.raises(ValueError, match=r"vocab_size=96.*from -1"):
+        model(torch.tensor([[-1, 2]]))
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_sequences_longer_than_block_size_are_an_error(level):
+    model = levels.build("gpt", level, **CONFIG)
+    with pytest.raises(ValueError, match="33 tokens do not fit the model's block_size=32"):
+        model(torch.zeros(1, 33, dtype=torch.int64))
+    with pytest.raises(ValueError, match="34 tokens do not fit the model's block_size=32"):
+        model.generate(torch.zeros(1, 30, dtype=torch.int64), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_float_token_ids_are_a_type_error(level):
+    model = levels.build("gpt", level, **CONFIG)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        model(torch.rand(1, 4))
+
+
+@pytest.mark.parametrize("component", ["self_attention", "transformer_block"])
+def test_width_that_does_not_split_into_heads_fails_at_construction(component):
+    with pytest.raises(ValueError, match="n_embd=100 must be a positive multiple of n_head=3"):
+        levels.build(component, "native", n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="n_embd=100 must be a positive multiple of n_head=3"):
+        levels.build("gpt", "native", **dict(CONFIG, n_embd=100, n_head=3))
+
+
+@pytest.mark.parametrize("component", ["feed_forward", "self_attention", "transformer_block"])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_wrong_width_names_the_expected_one(component, level):
+    config = {"n_embd": 32} if component == "feed_forward" else {"n_embd": 32, "n_head": 2}
+    module = levels.build(component, level, **config)
+    with pytest.raises(ValueError, match=r"n_embd=32.*\(2, 5, 24\)"):
+        module(torch.randn(2, 5, 24))
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_head_dim_the_kernels_do_not_support_names_the_supported_ones(level, device):
+    module = levels.build("self_attention", level, n_embd=48, n_head=1).to(device)
+    with pytest.raises(ValueError, match=r"head_dim 48 is not supported.*16, 32, 64, 128"):
+        module(torch.randn(1, 4, 48, device=device))
