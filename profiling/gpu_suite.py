@@ -7,6 +7,7 @@ writes, under ``--out``:
     pytest.log         the full test run (``--tests gpu`` runs only GPU-marked tests, ``none`` skips)
     benchmarks.csv     one row per component × dtype × pass × level, as compare_optimization_levels
     benchmarks.png     the same as bar charts
+    language_model.csv GPT-2 small per level: training-step and generation tokens/s
     targets.md         each target from the issues, the ratio measured in this run, met or missed
 
 Targets are ratios measured side by side in one run (never absolute times), so they mean the same
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .cli import save_plots, with_setup_columns
 from .compare import compare_optimization_levels
+from .language_model import format_throughput, generation_throughput, training_throughput
 from .peaks import copy_bandwidth, describe_device
 from .report import format_table
 
@@ -71,7 +73,22 @@ BENCHMARKS = _elementwise_benchmarks() + [
               {"causal": True}),
     Benchmark("attention forward window 1024 seq 16384", "attention", LONG_ATTENTION_SHAPE, torch.bfloat16, False,
               {"causal": True, "window": 1024}),
+    # The feed-forward issue's shape: 8 × 1024 tokens, 768 -> 3072 -> 768.
+    Benchmark("feed_forward forward bfloat16", "feed_forward", (8, 1024, 768), torch.bfloat16, False),
+    Benchmark("feed_forward fwd+bwd bfloat16", "feed_forward", (8, 1024, 768), torch.bfloat16, True),
 ]
+
+
+def _language_model_benchmarks():
+    """GPT-2 small in bfloat16, as the capstone issue asks: a training step on 8 × 1024 tokens, and
+    greedy generation of 112 tokens after a 16-token prompt at batch 1 and batch 32."""
+    from levels.gpt import GPT2_SMALL
+
+    return {
+        "gpt training step": lambda device: training_throughput(GPT2_SMALL, (8, 1024), torch.bfloat16, device),
+        "gpt generation batch 1": lambda device: generation_throughput(GPT2_SMALL, 1, 16, 112, torch.bfloat16, device),
+        "gpt generation batch 32": lambda device: generation_throughput(GPT2_SMALL, 32, 16, 112, torch.bfloat16, device),
+    }
 
 
 @dataclass(frozen=True)
@@ -95,12 +112,15 @@ class Target:
         return f"{self.benchmark}: {self.level} {what}"
 
     def measure(self, tables: dict[str, pd.DataFrame]) -> float:
-        """From CUDA-graph replays: the kernels' own speed, with Python's launch overhead (which on a
-        slow host can exceed a 0.1 ms kernel) left out for every row alike."""
+        """Component tables: from CUDA-graph replays, the kernels' own speed, with Python's launch
+        overhead (which on a slow host can exceed a 0.1 ms kernel) left out for every row alike.
+        Whole-model tables: tokens per second, launch overhead included, as a user would see it."""
         rows = tables[self.benchmark].set_index("level")
         if self.versus is None:
             return float(rows.loc[self.level, "pct_copy_bandwidth"])
         versus_rows = tables[self.versus_benchmark or self.benchmark].set_index("level")
+        if "tokens_per_s" in rows:
+            return float(rows.loc[self.level, "tokens_per_s"] / versus_rows.loc[self.versus, "tokens_per_s"])
         return float(versus_rows.loc[self.versus, "graph_ms"] / rows.loc[self.level, "graph_ms"])
 
 
@@ -108,7 +128,7 @@ KERNEL_LEVELS = ("4 Triton", "5 CUDA C++")
 
 
 def issue_targets() -> list[Target]:
-    """The targets of the foundation issue (Swish, LayerNorm) and the attention issue."""
+    """The targets of the foundation issue (Swish, LayerNorm), the attention issue and the GPT issue."""
     targets = []
     for level in KERNEL_LEVELS:
         for dtype in ("float32", "bfloat16"):
@@ -128,6 +148,10 @@ def issue_targets() -> list[Target]:
             Target("attention fwd+bwd causal", level, flash_backward[level], "SDPA flash"),
             Target("attention forward causal", level, 5.0, "1 native PyTorch"),
             Target("attention forward window 1024 seq 16384", level, 5.0, level, "attention forward causal seq 16384"),
+            Target("feed_forward fwd+bwd bfloat16", level, 1.0, "3 torch.compile"),
+            Target("gpt training step", level, 1.0, "3 torch.compile"),
+            Target("gpt training step", level, 1.5, "1 native PyTorch"),
+            Target("gpt generation batch 1", level, 1.0, "3 torch.compile"),
         ]
     return targets
 
@@ -157,9 +181,14 @@ def run_tests(selection: str, out: Path) -> int:
     return result.returncode
 
 
+def _chosen(name: str, only: str) -> bool:
+    """``--only a,b``: the benchmarks whose name contains any of the comma-separated texts."""
+    return any(part in name for part in only.split(","))
+
+
 def run_benchmarks(device: torch.device, out: Path, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
     tables = {}
-    for benchmark in tqdm([b for b in BENCHMARKS if only in b.name], desc="benchmarks", unit="table"):
+    for benchmark in tqdm([b for b in BENCHMARKS if _chosen(b.name, only)], desc="benchmarks", unit="table"):
         table = compare_optimization_levels(benchmark.component, benchmark.shape, dtype=benchmark.dtype, device=device,
                                             backward=benchmark.backward, config=benchmark.config, budget_s=budget_s)
         table.attrs["benchmark"] = benchmark.name
@@ -167,7 +196,17 @@ def run_benchmarks(device: torch.device, out: Path, budget_s: float, only: str =
         print(f"{benchmark.name} {benchmark.shape} {benchmark.config or ''}\n{format_table(table)}", end="\n\n", flush=True)
         # Rewritten after every table, so a run cut short still leaves what it measured.
         pd.concat([with_setup_columns(t) for t in tables.values()]).to_csv(out / "benchmarks.csv", index=False)
-    save_plots(list(tables.values()), str(out / "benchmarks.png"))
+    if tables:
+        save_plots(list(tables.values()), str(out / "benchmarks.png"))
+    model_tables = []
+    for name, measure in _language_model_benchmarks().items():
+        if not _chosen(name, only):
+            continue
+        table = measure(device)
+        tables[name] = table
+        model_tables.append(table.assign(benchmark=name))
+        print(f"{name} {table.attrs['shape']} {table.attrs['dtype']}\n{format_throughput(table)}", end="\n\n", flush=True)
+        pd.concat(model_tables).to_csv(out / "language_model.csv", index=False)
     return tables
 
 
@@ -190,7 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tests", choices=("all", "gpu", "none"), default="all")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row")
     parser.add_argument("--no-benchmarks", action="store_true")
-    parser.add_argument("--only", default="", help="run only the benchmarks whose name contains this text")
+    parser.add_argument("--only", default="", help="run only the benchmarks whose name contains one of these "
+                        "comma-separated texts")
     arguments = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("The GPU suite needs a CUDA device; on the CPU run `pytest` and `python -m profiling`.", file=sys.stderr)
