@@ -5,16 +5,21 @@
     softmax(x2d)                               -> y     (triton_kernels/softmax.py)
     attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
                                                          kernels in attention_forward.py, attention_backward.py)
+    linear(x2d, weight, bias)                  -> y     (triton_kernels/feed_forward.py: matmul with a fused
+                                                         epilogue, kernels in matmul.py)
+    feed_forward(x2d, fc_weight, fc_bias,      -> y     (triton_kernels/feed_forward.py: GPT-2's MLP, bias and
+                 proj_weight, proj_bias)                 GELU in the matmul epilogues, gelu' in the backward's)
 
 Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
 ``layer_norm_forward``, ``layer_norm_backward``, ``softmax_forward``, ``softmax_backward``,
-``attention_forward`` and ``attention_backward``, each with a fake (shape-only) implementation for
+``attention_forward``, ``attention_backward``, ``linear_forward``, ``linear_backward``,
+``feed_forward_forward`` and ``feed_forward_backward``, each with a fake (shape-only) implementation for
 torch.compile and an autograd formula. On a machine without a GPU the same kernels run through
 Triton's interpreter, on CPU tensors: correct, and slow.
 
-Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax`` and
-``attention`` call the registered ops, which is what lets Inductor place our kernels in its graph.
-Called eagerly, they go through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
+Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax``,
+``attention``, ``linear`` and ``feed_forward`` call the registered ops, which is what lets Inductor
+place our kernels in its graph. Called eagerly, they go through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
 launcher): a custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and
 at 8192 × 8192 in bfloat16 the GPU finishes these kernels before the host has launched the next
 ones. Measured on an H100 machine, Swish forward + backward took 501 µs through the Function and
@@ -49,8 +54,9 @@ if not torch.cuda.is_available():
           "(correct, but slowly)", file=sys.stderr)
 
 from .attention import attention  # noqa: E402  (after the switch above, on purpose)
+from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
 from .softmax import softmax  # noqa: E402
 from .swish import swish  # noqa: E402
 
-__all__ = ["attention", "layer_norm", "softmax", "swish"]
+__all__ = ["attention", "feed_forward", "layer_norm", "linear", "softmax", "swish"]

@@ -1,0 +1,334 @@
+"""A tiled matmul in Triton with fused epilogues, and a column sum: the kernels of ``linear`` and ``feed_forward``.
+
+What it computes
+    ``_matmul_kernel``        C = A·B for A (M, K) and B (K, N) of any strides, so that transposed
+                              operands (weightᵀ, grad_outᵀ) are read in place, never copied; then,
+                              in registers, before the one store of each output tile, an epilogue:
+            none                              C = A·B (+ bias)
+            gelu                              C = gelu_tanh(A·B (+ bias))
+            gelu_saving_pre_activation        H = A·B (+ bias) and C = gelu_tanh(H), both stored
+            gelu_backward                     C = A·B · gelu_tanh'(H), H read from the saved tensor
+    ``_column_sum_kernel``    the sums down the columns of a (rows, N) matrix: bias gradients
+
+The one idea that makes it fast
+    Each program owns one (BLOCK_M, BLOCK_N) tile of C and walks K in steps of BLOCK_K, so every
+    element of A is loaded N / BLOCK_N times and every element of B M / BLOCK_M times, not once per
+    product. Still, a 128 × 256 tile of bfloat16 does 85 FLOPs per byte it loads, and an H100 does
+    ~270 (800 TFLOP/s) in the time its DRAM delivers one byte (3 TB/s): the loads must mostly hit
+    L2. Hence the grouped order (``_tile_of_program``): programs that run together cover GROUP_M
+    tile-rows of C, so the A rows and B columns they share come from L2, not DRAM. ``num_stages``
+    loads are in flight while the tensor cores (wgmma on Hopper) work on the current step.
+
+    The epilogue is where the feed-forward's elementwise work goes. The output tile is still in
+    registers, so the bias, the GELU and its derivative cost no memory traffic: an unfused GELU reads
+    h back and writes a again, and an unfused backward reads grad_a and h and writes grad_h.
+    feed_forward.py counts the bytes.
+
+Launch
+    16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and
+    dtype. float32 (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss
+    float32's tolerance) and float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and
+    Triton's CPU interpreter INTERPRETER_TILE: tuning there would time eight configs of a slow
+    simulation. ``_tile_choice`` is the one place that decides. The column sum: two passes when
+    there are many rows (partial sums of row chunks, then a sum of the partials), one otherwise.
+
+Limits
+    Any M, N, K (the edge tiles wrap their loads and mask their stores); the output, the bias and H
+    are contiguous. float16, bfloat16, float32, float64 on the GPU, accumulating in float32 (float64
+    for float64); float32 and float64 under the CPU interpreter. Autotuning times every config at
+    each new (M, N, K): the first call at a shape costs about a second, and must not happen inside
+    a CUDA-graph capture.
+
+Check
+    python -m pytest tests -k "feed_forward and triton"
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    check_contiguous,
+    check_inputs,
+    column_reduction_launch,
+    compute_dtype,
+    dot_input_precision,
+    interpreter_is_on,
+    next_power_of_2,
+    on_device,
+    persistent_program_count,
+    require,
+)
+
+
+class Epilogue:
+    """What ``_matmul_kernel`` does to a tile of A·B before storing it (a constexpr: one compiled kernel each)."""
+
+    NONE = "none"
+    GELU = "gelu"
+    GELU_SAVING_PRE_ACTIVATION = "gelu_saving_pre_activation"
+    GELU_BACKWARD = "gelu_backward"
+
+
+# --- tiles: the one place that chooses them ---------------------------------------------------------------
+
+
+class MatmulTile(NamedTuple):
+    block_m: int  # rows of C per program
+    block_n: int  # columns of C per program
+    block_k: int  # depth of one step along K
+    num_warps: int
+    num_stages: int  # loads in flight in the software pipeline of the K loop
+
+    def options(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+TENSOR_CORE_TILES = [
+    MatmulTile(128, 256, 64, 8, 3),
+    MatmulTile(256, 128, 64, 8, 3),
+    MatmulTile(128, 128, 64, 8, 4),
+    MatmulTile(128, 128, 64, 4, 4),
+    MatmulTile(64, 256, 64, 4, 4),
+    MatmulTile(128, 64, 64, 4, 4),
+    MatmulTile(64, 128, 64, 4, 4),
+    MatmulTile(64, 64, 64, 4, 4),
+]
+"""Candidates for float16 and bfloat16 on a Hopper GPU. Warpgroups of 4 warps issue wgmma on 64-row
+slices, so tiles are multiples of 64; a 128 × 256 tile of float32 accumulators fills half the
+register file of 8 warps. Large tiles reuse each load most; smaller ones leave fewer SMs idle when
+C has few tiles (the weight gradients, 768 × 3072, make 72 tiles of 128 × 256 for 132 SMs). A
+stage is 48 KB of shared memory at 128 × 256 × 64, so three fit in the H100's 227 KB."""
+
+WIDE_FLOAT_TILE = MatmulTile(64, 64, 32, 4, 3)
+"""float32 and float64. Their products run on the CUDA cores ("ieee" float32) or the float64 tensor
+cores, with slices of both operands held in registers: small tiles keep those from spilling."""
+
+INTERPRETER_TILE = MatmulTile(32, 32, 32, 1, 1)
+"""Triton's CPU interpreter runs programs one after another on NumPy: small tiles keep the padding it
+computes at odd sizes small."""
+
+GROUP_M = 8
+"""Tile-rows of C per group in the launch order (see ``_tile_of_program``)."""
+
+
+def _tiles_that_fit(configs, named_args, **kwargs):
+    """Autotuning prunes tiles taller or wider than the matrix (rounded up to a power of two, and to
+    at least 64, the height of one wgmma): they only multiply padding. The smallest tile is kept when
+    none fits."""
+    fits = [config for config in configs
+            if config.kwargs["BLOCK_M"] <= max(64, next_power_of_2(named_args["M"]))
+            and config.kwargs["BLOCK_N"] <= max(64, next_power_of_2(named_args["N"]))]
+    return fits or [min(configs, key=lambda config: config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"])]
+
+
+# --- GELU (tanh approximation) ------------------------------------------------------------------------------
+# 1 + tanh(u) = 2·sigmoid(2u) and 1 − tanh(u)² = 4·s·(1 − s) with s = sigmoid(2u): one exponential,
+# and no cancellation where tanh(u) is near −1 (large negative h), where 1 + tanh(u) would lose digits.
+
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_CUBIC = tl.constexpr(0.044715)
+
+
+# (Tensors go left of the constants: the interpreter's constexpr × tensor makes a constexpr.)
+
+
+@triton.jit
+def _sigmoid_of_2u(h):
+    """s = sigmoid(2u),  u = sqrt(2/π)·(h + 0.044715·h³)."""
+    return tl.sigmoid((h + h * h * h * GELU_CUBIC) * (2 * SQRT_2_OVER_PI))
+
+
+@triton.jit
+def _gelu_tanh(h):
+    """0.5·h·(1 + tanh u) = h·s."""
+    return h * _sigmoid_of_2u(h)
+
+
+@triton.jit
+def _gelu_tanh_derivative(h):
+    """0.5·(1 + tanh u) + 0.5·h·(1 − tanh² u)·du/dh = s + 2·h·s·(1 − s)·du/dh."""
+    s = _sigmoid_of_2u(h)
+    du_dh = (h * h * (3 * GELU_CUBIC) + 1.0) * SQRT_2_OVER_PI
+    return s + h * s * (1.0 - s) * du_dh * 2.0
+
+
+# --- matmul ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile-row, tile-column) of C for this program, in grouped order: consecutive programs go down
+    a group of GROUP_M tile-rows before moving one tile-column right. The programs resident at once
+    then cover a near-square patch of C, which reads fewer distinct rows of A and columns of B than a
+    strip of one tile-row would: those stay in L2 for the whole patch."""
+    program = tl.program_id(0)
+    tile_rows = tl.cdiv(M, BLOCK_M)
+    programs_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_tile_row = program // programs_per_group * GROUP_M
+    group_height = tl.minimum(tile_rows - first_tile_row, GROUP_M)  # the last group may be shorter
+    tile_row = first_tile_row + (program % programs_per_group) % group_height
+    tile_col = (program % programs_per_group) // group_height
+    return tile_row, tile_col
+
+
+@triton.jit
+def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    tile_row, tile_col = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
+    depth = tl.arange(0, BLOCK_K)
+    # Edge tiles read rows and columns modulo M and N: every load stays inside A and B with no mask
+    # (the wrapped rows compute values nobody stores), so only the K loop's tail needs one.
+    A += (rows % M).to(tl.int64)[:, None] * stride_am + depth[None, :] * stride_ak
+    B += depth[:, None] * stride_bk + (cols % N).to(tl.int64)[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), COMPUTE)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        depth_left = K - step * BLOCK_K
+        a = tl.load(A, mask=depth[None, :] < depth_left, other=0.0)
+        b = tl.load(B, mask=depth[:, None] < depth_left, other=0.0)
+        # out_dtype: a float64 accumulator must say so (tl.dot's default is float32).
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+        A += BLOCK_K * stride_ak  # pointer steps, not k·stride offsets: no 32-bit overflow at any K
+        B += BLOCK_K * stride_bk
+
+    # The epilogue, on the tile in registers.
+    col_mask = cols < N
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if EPILOGUE == "gelu_backward":
+        pre_activation = tl.load(PreActivation + offsets, mask=mask, other=0.0).to(COMPUTE)
+        acc *= _gelu_tanh_derivative(pre_activation)
+    if EPILOGUE == "gelu_saving_pre_activation":
+        tl.store(PreActivation + offsets, acc.to(PreActivation.dtype.element_ty), mask=mask)
+    if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
+        acc = _gelu_tanh(acc)
+    tl.store(C + offsets, acc.to(C.dtype.element_ty), mask=mask)
+
+
+_matmul_autotuned = triton.autotune(
+    configs=[triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
+                           num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in TENSOR_CORE_TILES],
+    # Tensor arguments' dtypes join the key by themselves; the strides tell transposed layouts apart.
+    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "EPILOGUE", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _tiles_that_fit},
+)(_matmul_kernel)
+
+
+def _tile_choice(dtype: torch.dtype) -> MatmulTile | None:
+    """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES."""
+    if interpreter_is_on():
+        return INTERPRETER_TILE
+    return None if dtype.itemsize == 2 else WIDE_FLOAT_TILE
+
+
+def _check_matmul_inputs(a: torch.Tensor, b: torch.Tensor, epilogue: str, bias: torch.Tensor | None,
+                         pre_activation: torch.Tensor | None) -> None:
+    require(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0],
+            lambda: f"matmul: A {tuple(a.shape)} and B {tuple(b.shape)} cannot be multiplied")
+    require(a.dtype == b.dtype, lambda: f"matmul: A is {a.dtype} but B is {b.dtype}")
+    output_shape = (a.shape[0], b.shape[1])
+    if bias is not None:
+        require(bias.shape == output_shape[1:] and bias.dtype == a.dtype,
+                lambda: f"matmul: bias is {tuple(bias.shape)} {bias.dtype}, expected ({output_shape[1]},) {a.dtype}")
+    wants_pre_activation = epilogue in (Epilogue.GELU_SAVING_PRE_ACTIVATION, Epilogue.GELU_BACKWARD)
+    require((pre_activation is not None) == wants_pre_activation,
+            lambda: f"matmul: the {epilogue} epilogue {'needs' if wants_pre_activation else 'takes no'} pre_activation")
+    if pre_activation is not None:
+        require(pre_activation.shape == output_shape and pre_activation.dtype == a.dtype,
+                lambda: f"matmul: pre_activation is {tuple(pre_activation.shape)} {pre_activation.dtype}, "
+                        f"expected {output_shape} {a.dtype}")
+        check_contiguous("matmul", pre_activation)
+    check_inputs("matmul", *(t for t in (a, b, bias, pre_activation) if t is not None))
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
+                  pre_activation: torch.Tensor | None = None) -> torch.Tensor:
+    """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype. ``a`` and ``b``
+    may be any strided views. ``pre_activation`` is the (M, N) tensor H: written by
+    GELU_SAVING_PRE_ACTIVATION, read by GELU_BACKWARD."""
+    _check_matmul_inputs(a, b, epilogue, bias, pre_activation)
+    (M, K), N = a.shape, b.shape[1]
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride())
+    constants = dict(EPILOGUE=epilogue, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, COMPUTE=compute_dtype(a.dtype),
+                     DOT_PRECISION=dot_input_precision(a.dtype))
+    tile = _tile_choice(a.dtype)
+    with on_device(a):
+        if tile is None:
+            _matmul_autotuned[lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)](*args, **constants)
+        else:
+            _matmul_kernel[(cdiv(M, tile.block_m) * cdiv(N, tile.block_n),)](*args, **constants, **tile.options())
+    return out
+
+
+# --- column sum (bias gradients) ------------------------------------------------------------------------
+
+COLUMN_SUM_TILE = 4096
+"""Elements a column-sum program adds per step: 32 a thread at 4 warps, several loads in flight."""
+
+
+@triton.jit
+def _column_sum_kernel(X, Sums, n_rows, N, rows_per_program, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                       COMPUTE: tl.constexpr):
+    """Program (i, j) sums rows j·rows_per_program … (j+1)·rows_per_program − 1 of columns block i
+    of the (n_rows, N) matrix X into row j of Sums. Pass 1 of a long sum writes partial rows; pass 2
+    (the same kernel, one row chunk) sums them."""
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < N
+    chunk = tl.program_id(1)
+    end = tl.minimum((chunk + 1) * rows_per_program, n_rows)
+    sums = tl.zeros((BLOCK_ROWS, BLOCK_COLS), COMPUTE)  # a column of partial sums per thread: one add a load
+    for start in range(chunk * rows_per_program, end, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        sums += tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+    tl.store(Sums + chunk.to(tl.int64) * N + cols, tl.sum(sums, axis=0).to(Sums.dtype.element_ty), mask=col_mask)
+
+
+def launch_column_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ_rows x for a contiguous (rows, N) matrix, as an N-vector of x's dtype (summed in float32,
+    float64 for float64).
+
+    Few columns cannot fill the GPU (N = 768 makes 3 column blocks), so rows are split into chunks
+    as well: about 4 programs per SM, each summing its chunk into a row of a float32 buffer that stays
+    in L2; a second launch of the same kernel sums that buffer's columns."""
+    require(x.dim() == 2, lambda: f"column_sum: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    check_contiguous("column_sum", x)
+    check_inputs("column_sum", x)
+    rows, n = x.shape
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out.zero_()
+    block_cols = min(256, max(32, next_power_of_2(n)))  # 256 columns: a 512-byte line of a 16-bit row
+    block_rows = min(COLUMN_SUM_TILE // block_cols, next_power_of_2(rows))
+    col_blocks, row_blocks = cdiv(n, block_cols), cdiv(rows, block_rows)
+    chunks = min(row_blocks, cdiv(persistent_program_count(x, col_blocks * row_blocks, 4), col_blocks))
+    rows_per_chunk = cdiv(row_blocks, chunks) * block_rows
+    chunks = cdiv(rows, rows_per_chunk)
+    compute = compute_dtype(x.dtype)
+    with on_device(x):
+        if chunks == 1:
+            _column_sum_kernel[(col_blocks, 1)](x, out, rows, n, rows, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+                                                COMPUTE=compute, num_warps=4)
+            return out
+        partial = torch.empty((chunks, n), dtype=accumulator_dtype(x.dtype), device=x.device)
+        _column_sum_kernel[(col_blocks, chunks)](x, partial, rows, n, rows_per_chunk, BLOCK_ROWS=block_rows,
+                                                 BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
+        programs, partial_cols, partial_rows = column_reduction_launch(n, chunks, persistent_program_count(x, n, 2))
+        _column_sum_kernel[(programs, 1)](partial, out, chunks, n, chunks, BLOCK_ROWS=partial_rows,
+                                          BLOCK_COLS=partial_cols, COMPUTE=compute, num_warps=4)
+    return out
