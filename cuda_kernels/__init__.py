@@ -5,11 +5,17 @@
     softmax(x2d)                              -> y  (cuda_kernels/softmax.cu,    softmax_cpu.cpp)
     attention(q, k, v, causal, window, scale) -> o  (cuda_kernels/attention_forward.cu and
                                                      attention_backward.cu,   attention_cpu.cpp)
+    linear(x2d, weight, bias)                 -> y  (cuBLAS through ATen; the bias gradient in
+                                                     cuda_kernels/feed_forward.cu, feed_forward_cpu.cpp)
+    feed_forward(x2d, fc_weight, fc_bias,
+                 proj_weight, proj_bias)      -> y  (cuBLAS through ATen around cuda_kernels/feed_forward.cu,
+                                                     feed_forward_cpu.cpp)
 
 Importing this package compiles the extension the first time (``torch.utils.cpp_extension.load``:
 ninja, then cached in PyTorch's extensions folder, so later imports only load it) and registers, for
 each op (``swish_forward``, ``swish_backward``, ``layer_norm_forward``, ``layer_norm_backward``,
-``softmax_forward``, ``softmax_backward``, ``attention_forward``, ``attention_backward``) a fake
+``softmax_forward``, ``softmax_backward``, ``attention_forward``, ``attention_backward``,
+``linear_forward``, ``linear_backward``, ``feed_forward_forward``, ``feed_forward_backward``) a fake
 (shape-only) implementation for torch.compile and, for the forward ops, an autograd formula that
 calls the backward op. The schemas and the CPU/CUDA kernels themselves
 are registered in C++ (``ops.cpp``).
@@ -29,8 +35,10 @@ import torch
 from levels.spec import LevelUnavailableError
 
 _HERE = Path(__file__).resolve().parent
-_CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp", "softmax_cpu.cpp", "attention_cpu.cpp")
-_CUDA_SOURCES = ("swish.cu", "layer_norm.cu", "softmax.cu", "attention_forward.cu", "attention_backward.cu")
+_CPU_SOURCES = ("ops.cpp", "swish_cpu.cpp", "layer_norm_cpu.cpp", "softmax_cpu.cpp", "attention_cpu.cpp",
+                "feed_forward_cpu.cpp")
+_CUDA_SOURCES = ("swish.cu", "layer_norm.cu", "softmax.cu", "attention_forward.cu", "attention_backward.cu",
+                 "feed_forward.cu")
 _HEADERS = ("kernels.h", "common.cuh", "cpu_common.h", "attention_mask.h", "tensor_core.cuh", "attention_simt.cuh")
 
 # -O3 for vectorisation; -march=native because the extension is always built on the machine that runs
@@ -259,6 +267,96 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, window, scale)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# --- linear: y = x weight^T + bias, and GPT-2's feed-forward block, around cuBLAS matmuls --------------
+
+
+def _check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> None:
+    """x is a (rows, K) matrix and ``weight`` an (N, K) nn.Linear weight."""
+    torch._check(x.dim() == 2, lambda: f"cuda_kernels::{op}: x must be a (rows, features) matrix, got shape {tuple(x.shape)}")
+    torch._check(weight.dim() == 2, lambda: f"cuda_kernels::{op}: {weight_name} must be an (out_features, in_features) "
+                                            f"matrix, got shape {tuple(weight.shape)}")
+    torch._check(weight.shape[1] == x.shape[1],
+                 lambda: f"cuda_kernels::{op}: x has {x.shape[1]} features but {weight_name} expects {weight.shape[1]}")
+
+
+def _check_bias(op: str, name: str, bias: torch.Tensor | None, features: int) -> None:
+    torch._check(bias is None or bias.shape == (features,),
+                 lambda: f"cuda_kernels::{op}: {name} has shape {tuple(bias.shape)}, expected ({features},)")
+
+
+def _linear_forward_fake(x, weight, bias):
+    _check_linear("linear_forward", x, weight)
+    _check_bias("linear_forward", "bias", bias, weight.shape[0])
+    _check_contiguous("linear_forward", x, weight, *([] if bias is None else [bias]))
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _linear_forward_setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)  # the bias enters no gradient
+
+
+def _linear_forward_backward(ctx, grad_out):
+    grads = torch.ops.cuda_kernels.linear_backward(grad_out.contiguous(), *ctx.saved_tensors)
+    return tuple(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad))
+
+
+def _linear_backward_fake(grad_out, x, weight):
+    _check_linear("linear_backward", x, weight)
+    torch._check(grad_out.shape == (x.shape[0], weight.shape[0]),
+                 lambda: f"cuda_kernels::linear_backward: grad_out has shape {tuple(grad_out.shape)}, expected "
+                         f"({x.shape[0]}, {weight.shape[0]})")
+    _check_contiguous("linear_backward", grad_out, x, weight)
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0])
+
+
+def _check_feed_forward(op: str, x, fc_weight, proj_weight) -> None:
+    """x (rows, C), fc_weight (H, C), proj_weight (C, H): the H hidden features come back to C."""
+    _check_linear(op, x, fc_weight, "fc_weight")
+    torch._check(proj_weight.shape == (x.shape[1], fc_weight.shape[0]),
+                 lambda: f"cuda_kernels::{op}: proj_weight has shape {tuple(proj_weight.shape)}, expected "
+                         f"({x.shape[1]}, {fc_weight.shape[0]})")
+
+
+def _feed_forward_forward_fake(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    op = "feed_forward_forward"
+    _check_feed_forward(op, x, fc_weight, proj_weight)
+    torch._check((fc_bias is None) == (proj_bias is None),
+                 lambda: f"cuda_kernels::{op}: give both biases or neither (fc_bias is "
+                         f"{'None' if fc_bias is None else 'given'}, proj_bias is {'None' if proj_bias is None else 'given'})")
+    _check_bias(op, "fc_bias", fc_bias, fc_weight.shape[0])
+    _check_bias(op, "proj_bias", proj_bias, x.shape[1])
+    _check_contiguous(op, x, fc_weight, proj_weight, *(b for b in (fc_bias, proj_bias) if b is not None))
+    pre_activation = x.new_empty(x.shape[0], fc_weight.shape[0])
+    return torch.empty_like(x), pre_activation, torch.empty_like(pre_activation)
+
+
+def _feed_forward_forward_setup_context(ctx, inputs, output):
+    x, fc_weight, _, proj_weight, _ = inputs
+    _, pre_activation, activation = output
+    # h for GELU's derivative, a for the gradient of W_proj; the biases enter no gradient.
+    ctx.save_for_backward(x, fc_weight, proj_weight, pre_activation, activation)
+
+
+def _feed_forward_forward_backward(ctx, grad_out, grad_pre_activation, grad_activation):
+    # pre_activation and activation are outputs only so that they can be saved for this backward: their
+    # gradients are ignored.
+    grads = torch.ops.cuda_kernels.feed_forward_backward(grad_out.contiguous(), *ctx.saved_tensors)
+    return tuple(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad))
+
+
+def _feed_forward_backward_fake(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
+    op = "feed_forward_backward"
+    _check_feed_forward(op, x, fc_weight, proj_weight)
+    hidden_shape = (x.shape[0], fc_weight.shape[0])
+    torch._check(grad_out.shape == x.shape, lambda: f"cuda_kernels::{op}: grad_out and x differ in shape")
+    torch._check(pre_activation.shape == hidden_shape and activation.shape == hidden_shape,
+                 lambda: f"cuda_kernels::{op}: pre_activation and activation must be {hidden_shape}")
+    _check_contiguous(op, grad_out, x, fc_weight, proj_weight, pre_activation, activation)
+    return (torch.empty_like(x), torch.empty_like(fc_weight), fc_weight.new_empty(fc_weight.shape[0]),
+            torch.empty_like(proj_weight), proj_weight.new_empty(proj_weight.shape[0]))
+
+
 _register("swish_forward", _swish_forward_fake, _swish_forward_backward, _swish_forward_setup_context)
 _register("swish_backward", _swish_backward_fake)
 _register("layer_norm_forward", _layer_norm_forward_fake, _layer_norm_forward_backward, _layer_norm_forward_setup_context)
@@ -267,6 +365,11 @@ _register("softmax_forward", _softmax_forward_fake, _softmax_forward_backward, _
 _register("softmax_backward", _softmax_backward_fake)
 _register("attention_forward", _attention_forward_fake, _attention_forward_backward, _attention_forward_setup_context)
 _register("attention_backward", _attention_backward_fake)
+_register("linear_forward", _linear_forward_fake, _linear_forward_backward, _linear_forward_setup_context)
+_register("linear_backward", _linear_backward_fake)
+_register("feed_forward_forward", _feed_forward_forward_fake, _feed_forward_forward_backward,
+          _feed_forward_forward_setup_context)
+_register("feed_forward_backward", _feed_forward_backward_fake)
 
 
 # --- what the levels call ------------------------------------------------------------------------------
@@ -299,4 +402,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     return torch.ops.cuda_kernels.attention_forward(q, k, v, bool(causal), int(window), float(scale))[0]
 
 
-__all__ = ["attention", "layer_norm", "softmax", "swish"]
+def _contiguous_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) of x (rows, K) and an nn.Linear weight (N, K), differentiable: the matmuls are
+    cuBLAS's through ATen (bias in its epilogue), the bias gradient our column-sum kernel."""
+    _require_kernels_for(x)
+    return torch.ops.cuda_kernels.linear_forward(x.contiguous(), weight.contiguous(), _contiguous_or_none(bias))
+
+
+def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None, proj_weight: torch.Tensor,
+                 proj_bias: torch.Tensor | None) -> torch.Tensor:
+    """GPT-2's MLP, gelu_tanh(x fc_weight^T + fc_bias) proj_weight^T + proj_bias, of x (rows, C), differentiable:
+    cuBLAS matmuls around our GELU kernel and our fused GELU-backward + bias-gradient kernel. Both biases
+    or neither. Returns only the output (the saved pre-activation and activation stay inside the
+    autograd graph)."""
+    _require_kernels_for(x)
+    return torch.ops.cuda_kernels.feed_forward_forward(x.contiguous(), fc_weight.contiguous(), _contiguous_or_none(fc_bias),
+                                                       proj_weight.contiguous(), _contiguous_or_none(proj_bias))[0]
+
+
+__all__ = ["attention", "feed_forward", "layer_norm", "linear", "softmax", "swish"]

@@ -27,7 +27,8 @@ struct AttentionShape {
   double scale;  // multiplies q.k
 };
 
-// --- CUDA launchers (swish.cu, layer_norm.cu, softmax.cu, attention_forward.cu, attention_backward.cu) ---
+// --- CUDA launchers (swish.cu, layer_norm.cu, softmax.cu, attention_forward.cu, attention_backward.cu,
+// feed_forward.cu) ---
 // They enqueue on `stream` and return without waiting.
 // The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
 
@@ -72,7 +73,23 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream);
 
-// --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp, softmax_cpu.cpp, attention_cpu.cpp) ------------
+// The work around the feed-forward block's matmuls (ops.cpp runs those with cuBLAS through ATen).
+// a = gelu_tanh(h), elementwise over numel values.
+void launch_gelu_forward(DType dtype, const void* pre_activation, void* activation, int64_t numel, void* stream);
+// How many strips of rows the column sums below split `rows` into (enough blocks to fill the GPU). When
+// it is more than 1 the caller allocates a workspace of strips * n accumulator-type values, the
+// strips' partial sums (kernels never allocate memory); with 1 the workspace is not touched.
+int64_t column_sum_strips(DType dtype, int64_t rows, int64_t n);
+// sums (n,) = the column sums of matrix (rows, n): a linear layer's bias gradient from dy.
+void launch_column_sum(DType dtype, const void* matrix, void* sums, void* workspace, int64_t strips, int64_t rows,
+                       int64_t n, void* stream);
+// grad (rows, n) holds da on entry and dh = da * gelu_tanh'(pre_activation) on return; grad_bias (n,) is
+// the column sums of dh. `strips` and `workspace` as for launch_column_sum.
+void launch_gelu_backward(DType dtype, void* grad, const void* pre_activation, void* grad_bias, void* workspace,
+                          int64_t strips, int64_t rows, int64_t n, void* stream);
+
+// --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp, softmax_cpu.cpp, attention_cpu.cpp,
+// feed_forward_cpu.cpp) ---
 // OpenMP, float32 and float64 only.
 
 void swish_forward_cpu(DType dtype, const void* x, void* y, int64_t numel, double beta);
@@ -91,5 +108,8 @@ void attention_forward_cpu(DType dtype, const AttentionShape& shape, const void*
 void attention_backward_cpu(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                             const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                             void* grad_k, void* grad_v);
+void gelu_forward_cpu(DType dtype, const void* pre_activation, void* activation, int64_t numel);
+void column_sum_cpu(DType dtype, const void* matrix, void* sums, int64_t rows, int64_t n);
+void gelu_backward_cpu(DType dtype, void* grad, const void* pre_activation, void* grad_bias, int64_t rows, int64_t n);
 
 }  // namespace kernel_ladder

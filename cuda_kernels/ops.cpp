@@ -18,6 +18,7 @@
 #endif
 
 #include <initializer_list>
+#include <optional>
 #include <tuple>
 
 #include "kernels.h"
@@ -291,6 +292,146 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   return {grad_q, grad_k, grad_v};
 }
 
+// --- linear layers and the feed-forward block: matmuls by cuBLAS, everything around them ours ---------
+//
+// A matmul of these sizes is compute-bound, and cuBLAS's tensor-core GEMMs (MKL or oneDNN on the CPU) are
+// its ceiling: the issue lets level 5 call them through ATen. A bias goes in at::addmm, which hands a 1-D
+// bias to cuBLASLt's epilogue: added while the output tile is still in registers, for no extra pass over
+// memory. Our kernels do the memory-bound rest: GELU, its backward, the bias gradients.
+// float32 stays IEEE float32: cuBLAS rounds inputs to TF32 only when the user allows it
+// (torch.backends.cuda.matmul.allow_tf32, or torch.set_float32_matmul_precision("high"); ATen reads it
+// as at::globalContext().allowTF32CuBLAS()). It is off by default and never set here, and F.linear at
+// levels 1-3 follows the same flag, so every level multiplies alike.
+
+// x (rows, K) and an nn.Linear weight (N, K), of one dtype and device, contiguous.
+void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight, const char* weight_name) {
+  TORCH_CHECK(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, features) matrix, got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2, "cuda_kernels::", op, ": ", weight_name,
+              " must be an (out_features, in_features) matrix, got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(1) == x.size(1), "cuda_kernels::", op, ": x has ", x.size(1), " features but ", weight_name,
+              " expects ", weight.size(1));
+  check_argument(op, "x", x, x, x.scalar_type(), x.sizes());
+  check_argument(op, weight_name, weight, x, x.scalar_type(), weight.sizes());
+}
+
+void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                int64_t features) {
+  if (bias.has_value()) check_argument(op, name, *bias, x, x.scalar_type(), {features});
+}
+
+// x W^T (+ bias): the bias in cuBLAS's epilogue (see above).
+at::Tensor matmul_transposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+}
+
+// A bias gradient: the column sums (n,) of a (rows, n) matrix, made by `cuda(sums, workspace, strips,
+// stream)` or `cpu(sums)`. An empty matrix: zeros, and nothing launched.
+template <typename Cuda, typename Cpu>
+at::Tensor bias_gradient(DType dtype, const at::Tensor& matrix, Cuda&& cuda, Cpu&& cpu) {
+  const int64_t rows = matrix.size(0), n = matrix.size(1);
+  if (matrix.numel() == 0) return at::zeros({n}, matrix.options());
+  at::Tensor sums = at::empty({n}, matrix.options());
+  run_on_device_of(
+      matrix,
+      [&](void* stream) {
+        // The strips' partial sums, from PyTorch's caching allocator: freed when this returns, and reused
+        // only by work queued after ours on the same stream. One strip needs none.
+        const int64_t strips = column_sum_strips(dtype, rows, n);
+        at::Tensor workspace = at::empty({strips > 1 ? strips : 0, n}, matrix.options().dtype(statistics_dtype(matrix)));
+        cuda(sums.mutable_data_ptr(), workspace.mutable_data_ptr(), strips, stream);
+      },
+      [&] { cpu(sums.mutable_data_ptr()); });
+  return sums;
+}
+
+at::Tensor column_sums(DType dtype, const at::Tensor& matrix) {
+  const int64_t rows = matrix.size(0), n = matrix.size(1);
+  return bias_gradient(
+      dtype, matrix,
+      [&](void* sums, void* workspace, int64_t strips, void* stream) {
+        launch_column_sum(dtype, matrix.const_data_ptr(), sums, workspace, strips, rows, n, stream);
+      },
+      [&](void* sums) { column_sum_cpu(dtype, matrix.const_data_ptr(), sums, rows, n); });
+}
+
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_forward";
+  kernel_dtype(op, x);  // the level's dtypes, though only cuBLAS runs here: the backward's kernel must take them
+  check_linear(op, x, weight, "weight");
+  check_bias(op, "bias", bias, x, weight.size(0));
+  return matmul_transposed(x, weight, bias);
+}
+
+TensorTriple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "linear_backward";
+  const DType dtype = kernel_dtype(op, x);
+  check_linear(op, x, weight, "weight");
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), {x.size(0), weight.size(0)});
+  // With no rows the two matmuls over rows give zeros, and column_sums launches nothing.
+  return {at::mm(grad_out, weight), at::mm(grad_out.t(), x), column_sums(dtype, grad_out)};
+}
+
+// x (rows, C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C.
+void check_feed_forward(const char* op, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight) {
+  check_linear(op, x, fc_weight, "fc_weight");
+  check_argument(op, "proj_weight", proj_weight, x, x.scalar_type(), {x.size(1), fc_weight.size(0)});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(const at::Tensor& x, const at::Tensor& fc_weight,
+                                                                    const std::optional<at::Tensor>& fc_bias,
+                                                                    const at::Tensor& proj_weight,
+                                                                    const std::optional<at::Tensor>& proj_bias) {
+  const char* op = "feed_forward_forward";
+  const DType dtype = kernel_dtype(op, x);
+  check_feed_forward(op, x, fc_weight, proj_weight);
+  // Both biases or neither, as GPT-2's `bias` flag sets them.
+  TORCH_CHECK(fc_bias.has_value() == proj_bias.has_value(), "cuda_kernels::", op,
+              ": give both biases or neither (fc_bias is ", fc_bias.has_value() ? "given" : "None", ", proj_bias is ",
+              proj_bias.has_value() ? "given" : "None", ")");
+  check_bias(op, "fc_bias", fc_bias, x, fc_weight.size(0));
+  check_bias(op, "proj_bias", proj_bias, x, x.size(1));
+  // h = x W_fc^T + b_fc, bias in the GEMM's epilogue: h is written once, by cuBLAS. (Adding b_fc in our
+  // GELU kernel instead would cost one more write of h.)
+  at::Tensor pre_activation = matmul_transposed(x, fc_weight, fc_bias);
+  at::Tensor activation = at::empty_like(pre_activation);
+  if (pre_activation.numel() > 0) {  // no 0-block launch
+    run_on_device_of(
+        x,
+        [&](void* stream) {
+          launch_gelu_forward(dtype, pre_activation.const_data_ptr(), activation.mutable_data_ptr(),
+                              pre_activation.numel(), stream);
+        },
+        [&] { gelu_forward_cpu(dtype, pre_activation.const_data_ptr(), activation.mutable_data_ptr(), pre_activation.numel()); });
+  }
+  return {matmul_transposed(activation, proj_weight, proj_bias), pre_activation, activation};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight,
+    const at::Tensor& pre_activation, const at::Tensor& activation) {
+  const char* op = "feed_forward_backward";
+  const DType dtype = kernel_dtype(op, x);
+  check_feed_forward(op, x, fc_weight, proj_weight);
+  const int64_t rows = x.size(0), hidden = fc_weight.size(0);
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sizes());
+  check_argument(op, "pre_activation", pre_activation, x, x.scalar_type(), {rows, hidden});
+  check_argument(op, "activation", activation, x, x.scalar_type(), {rows, hidden});
+  // da = dy W_proj by cuBLAS; then our kernel turns it into dh = da * gelu'(h) in place, summing dh's
+  // columns (b_fc's gradient) in the same pass.
+  at::Tensor grad_hidden = at::mm(grad_out, proj_weight);
+  at::Tensor grad_fc_bias = bias_gradient(
+      dtype, grad_hidden,
+      [&](void* sums, void* workspace, int64_t strips, void* stream) {
+        launch_gelu_backward(dtype, grad_hidden.mutable_data_ptr(), pre_activation.const_data_ptr(), sums, workspace,
+                             strips, rows, hidden, stream);
+      },
+      [&](void* sums) {
+        gelu_backward_cpu(dtype, grad_hidden.mutable_data_ptr(), pre_activation.const_data_ptr(), sums, rows, hidden);
+      });
+  return {at::mm(grad_hidden, fc_weight), at::mm(grad_hidden.t(), x), grad_fc_bias, at::mm(grad_out.t(), activation),
+          column_sums(dtype, grad_out)};
+}
+
 // The same functions serve both dispatch keys: they branch on the device themselves.
 void register_kernels(torch::Library& m) {
   m.impl("swish_forward", &swish_forward);
@@ -301,6 +442,10 @@ void register_kernels(torch::Library& m) {
   m.impl("softmax_backward", &softmax_backward);
   m.impl("attention_forward", &attention_forward);
   m.impl("attention_backward", &attention_backward);
+  m.impl("linear_forward", &linear_forward);
+  m.impl("linear_backward", &linear_backward);
+  m.impl("feed_forward_forward", &feed_forward_forward);
+  m.impl("feed_forward_backward", &feed_forward_backward);
 }
 
 }  // namespace
@@ -317,6 +462,12 @@ TORCH_LIBRARY(cuda_kernels, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal, int window, float scale) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
         "int window, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_forward(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_backward(Tensor grad_out, Tensor x, Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("feed_forward_forward(Tensor x, Tensor fc_weight, Tensor? fc_bias, Tensor proj_weight, Tensor? proj_bias) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("feed_forward_backward(Tensor grad_out, Tensor x, Tensor fc_weight, Tensor proj_weight, Tensor pre_activation, "
+        "Tensor activation) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cuda_kernels, CPU, m) { kernel_ladder::register_kernels(m); }
