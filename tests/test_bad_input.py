@@ -6,6 +6,7 @@ import torch
 
 import levels
 from levels import TOLERANCE
+from levels.backends import cuda_backend, triton_backend
 
 from .conftest import kernel_level_device_params
 from .helpers import assert_matches_float64_reference, build_pair, make_inputs
@@ -67,6 +68,8 @@ def test_input_and_parameters_of_different_dtypes(level):
     ("swish", {}, (0,)),
     ("layer_norm", {"normalized_shape": 16}, (0, 16)),
     ("layer_norm", {"normalized_shape": 16}, (3, 0, 16)),
+    ("feed_forward", {"n_embd": 16}, (0, 16)),
+    ("feed_forward", {"n_embd": 16, "bias": False}, (2, 0, 16)),
 ])
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, device, component, config, shape):
@@ -83,6 +86,7 @@ def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, de
 @pytest.mark.parametrize("component,config,shape", [
     ("swish", {"beta": 1.2}, (40, 30)),
     ("layer_norm", {"normalized_shape": 40}, (30, 40)),
+    ("feed_forward", {"n_embd": 40}, (30, 40)),
 ])
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_non_contiguous_input_gets_the_right_answer(level, device, component, config, shape):
@@ -192,3 +196,35 @@ def test_softmax_non_contiguous_input_gets_the_right_answer(level, device):
     x = torch.randn(50, 30, device=device).t()
     assert not x.is_contiguous()
     assert_matches_float64_reference(module, reference, [x], TOLERANCE[torch.float32])
+
+
+# --- the linear and feed-forward ops of levels 4 and 5 ---------------------------------------------------
+
+def kernel_backend(level):
+    return triton_backend() if level == "triton" else cuda_backend()
+
+
+def linear_operands(device, *shapes):
+    return [torch.randn(shape, device=device) if shape is not None else None for shape in shapes]
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_linear_with_a_weight_of_the_wrong_width_names_both_sizes(level, device):
+    backend = kernel_backend(level)
+    x, weight, bias = linear_operands(device, (5, 7), (11, 8), (11,))
+    with pytest.raises((ValueError, RuntimeError), match=r"\b7\b.*\b8\b|\b8\b.*\b7\b"):
+        backend.linear(x, weight, bias)
+    x, weight, bias = linear_operands(device, (5, 7), (11, 7), (10,))
+    with pytest.raises((ValueError, RuntimeError), match=r"\b10\b.*\b11\b|\b11\b.*\b10\b"):
+        backend.linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_feed_forward_with_projections_that_do_not_chain_or_one_bias_is_an_error(level, device):
+    backend = kernel_backend(level)
+    x, fc_weight, fc_bias, proj_weight, proj_bias = linear_operands(device, (5, 7), (11, 7), (11,), (7, 12), (7,))
+    with pytest.raises((ValueError, RuntimeError), match=r"\b11\b.*\b12\b|\b12\b.*\b11\b"):
+        backend.feed_forward(x, fc_weight, fc_bias, proj_weight, proj_bias)
+    proj_weight = torch.randn(7, 11, device=device)
+    with pytest.raises((ValueError, RuntimeError), match="bias"):
+        backend.feed_forward(x, fc_weight, fc_bias, proj_weight, None)

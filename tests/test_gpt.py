@@ -16,8 +16,9 @@ CONFIG = dict(TINY, block_size=32)
 
 
 def tiny_gpt(level, device="cpu"):
-    """The tiny GPT at ``level`` with level 1's perturbed weights (seed 1), in float32 on ``device``."""
-    native = perturb_parameters_(levels.build("gpt", "native", **CONFIG), seed=1)
+    """The tiny GPT at ``level`` with the weights of one seeded level-1 model, in float32 on ``device``."""
+    torch.manual_seed(1)  # the same initial weights at every call
+    native = perturb_parameters_(levels.build("gpt", "native", **CONFIG))
     model = levels.build("gpt", level, **CONFIG)
     model.load_state_dict(native.state_dict())
     return model.to(device).eval()

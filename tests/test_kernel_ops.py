@@ -49,6 +49,23 @@ def test_attention_gradients_pass_float64_gradcheck(config, query_length, level,
     assert torch.autograd.gradcheck(module, (q, k, v), fast_mode=True)
 
 
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
+    backend = NAMESPACES[level][1]()
+
+    def parameter(*shape):
+        return torch.randn(*shape, dtype=torch.float64, device=device, requires_grad=True)
+
+    x = parameter(5, 7)
+    fc_weight, fc_bias, proj_weight, proj_bias = parameter(11, 7), parameter(11), parameter(7, 11), parameter(7)
+    if not bias:
+        fc_bias = proj_bias = None
+    assert torch.autograd.gradcheck(backend.linear, (x, fc_weight, fc_bias), fast_mode=True)
+    assert torch.autograd.gradcheck(backend.feed_forward, (x, fc_weight, fc_bias, proj_weight, proj_bias),
+                                    fast_mode=True)
+
+
 def op_samples(namespace, device, dtype):
     """(op name, args) for every op of a backend, on fresh random tensors."""
     x = torch.randn(6, 37, device=device, dtype=dtype)
@@ -59,6 +76,10 @@ def op_samples(namespace, device, dtype):
     q, k, v, attention_grad = (torch.randn(2, 3, 19, 16, device=device, dtype=dtype) for _ in range(4))
     attention_args = (True, 5, 0.25)  # causal, window, scale
     out, log_sum_exp = getattr(torch.ops, namespace).attention_forward(q, k, v, *attention_args)
+    fc_weight, fc_bias = torch.randn(29, 37, device=device, dtype=dtype), torch.randn(29, device=device, dtype=dtype)
+    proj_weight, proj_bias = torch.randn(37, 29, device=device, dtype=dtype), torch.randn(37, device=device, dtype=dtype)
+    ops = getattr(torch.ops, namespace)
+    _, pre_activation, activation = ops.feed_forward_forward(x, fc_weight, fc_bias, proj_weight, proj_bias)
     mean = x.to(statistics_dtype).mean(-1)
     rstd = torch.rsqrt(x.to(statistics_dtype).var(-1, unbiased=False) + 1e-5)
     return [
@@ -72,6 +93,13 @@ def op_samples(namespace, device, dtype):
         ("attention_forward", (q.clone().requires_grad_(True), k.clone().requires_grad_(True),
                                v.clone().requires_grad_(True), *attention_args)),
         ("attention_backward", (attention_grad, q, k, v, out, log_sum_exp, *attention_args)),
+        ("linear_forward", (x.clone().requires_grad_(True), fc_weight.clone().requires_grad_(True),
+                            fc_bias.clone().requires_grad_(True))),
+        ("linear_forward", (x, fc_weight, None)),
+        ("linear_backward", (torch.randn(6, 29, device=device, dtype=dtype), x, fc_weight)),
+        ("feed_forward_forward", tuple(t.clone().requires_grad_(True)
+                                       for t in (x, fc_weight, fc_bias, proj_weight, proj_bias))),
+        ("feed_forward_backward", (grad, x, fc_weight, proj_weight, pre_activation, activation)),
     ]
 
 
