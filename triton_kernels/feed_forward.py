@@ -21,14 +21,33 @@ The one idea: epilogue fusion
         forward    the epilogue writes h and a (h only because the backward needs it)   100 MB
                    (no gradient wanted: a alone, 50 MB)
         backward   the epilogue reads h and writes grad_h                               100 MB
-    150 MB saved per training step and layer, ~50 µs at the H100's 3 TB/s, next to ~300 µs for the
-    block's six matmuls (232 GFLOP). The bias costs nothing either way: one vector per tile.
+    Prediction: 150 MB saved per training step and layer, ~50 µs at the H100's 3 TB/s, next to
+    ~300 µs for the block's six matmuls (232 GFLOP). The bias costs nothing either way: one vector
+    per tile.
 
-What it does not fuse
-    The bias gradients are a separate column sum (grad_y is the matmul's input, not its output;
-    grad_h could be summed in the epilogue into per-tile partial rows, not done here). Nothing
-    splits K: the weight gradients (K = tokens, output 768 × 3072) have few tiles, so part of the
-    GPU idles in their last wave.
+Measured (H100 80GB HBM3, Triton 3.6, bfloat16, 8192 tokens, C = 768, H = 3072; medians)
+    The prediction holds only where the epilogue adds no reads. GELU alone (no gradient) adds 16 µs
+    to the matmul (87 → 103 µs) where PyTorch's separate GELU kernel takes 36 µs. Saving h as well
+    adds 38 µs, as much as the unfused GELU; gelu' adds 66 µs (74 → 140 µs) where ATen's separate
+    gelu_backward kernel takes 52. A program runs its epilogue after its K loop, and with one 8-warp
+    program per SM nothing else keeps the tensor cores busy meanwhile: the epilogue's loads and
+    stores wait in the open instead of overlapping another tile's loop. The matmuls themselves run
+    at 0.70-0.84 × cuBLAS (matmul.py).
+        forward, no gradient             177 µs   torch.compile 156, eager PyTorch 156    0.88 ×
+        forward + backward, replayed as a CUDA graph
+                                         613 µs   torch.compile 491, eager PyTorch 504    0.80 ×
+        forward + backward through autograd, launched from Python
+                                        1614 µs   torch.compile 881, eager PyTorch 496    0.55 ×
+    The last line is host time: ten launches (six matmuls, two two-pass column sums) with their
+    checks, issued from Python, for 0.6 ms of GPU work; the registered ops under torch.compile took
+    the same (1573 µs).
+
+What it does not do (yet)
+    Overlap a tile's epilogue with the next tile's K loop (a persistent kernel, two programs per SM
+    or warp specialization) or load through the tensor-memory accelerator: what cuBLAS does, and
+    what the gaps above ask for. Sum the bias gradients inside the weight-gradient matmuls: they are
+    a separate column sum, two launches each. Split K: the weight gradients (K = tokens, output
+    768 × 3072) have few tiles, so part of the GPU idles in their last wave.
 
 Limits
     x (tokens, C) with any number of rows and features; weights in nn.Linear's (out, in) layout;
@@ -44,7 +63,7 @@ Check
 import torch
 
 from .launch import check_contiguous, check_inputs, require
-from .matmul import Epilogue, launch_column_sum, launch_matmul
+from .matmul import Epilogue, _launch_column_sum, _launch_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -105,13 +124,13 @@ def _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre
 def launch_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check_linear_shapes("linear_forward", x, weight, bias)
     check_inputs("linear_forward", *(t for t in (x, weight, bias) if t is not None))
-    return launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
+    return _launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
 
 
 def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     _check_linear_backward_shapes(grad_out, x, weight)
     check_inputs("linear_backward", grad_out, x, weight)
-    return launch_matmul(grad_out, weight), launch_matmul(grad_out.t(), x), launch_column_sum(grad_out)
+    return _launch_matmul(grad_out, weight), _launch_matmul(grad_out.t(), x), _launch_column_sum(grad_out)
 
 
 def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_for_backward: bool = True):
@@ -122,21 +141,21 @@ def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_
     pre_activation = None
     if save_for_backward:
         pre_activation = x.new_empty((x.shape[0], fc_weight.shape[0]))
-        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
-                                   pre_activation=pre_activation)
+        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
+                                    pre_activation=pre_activation)
     else:
-        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
-    return launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
+        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
+    return _launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
 
 
 def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
     """(grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias)."""
     _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
     check_inputs("feed_forward_backward", grad_out, x, fc_weight, proj_weight, pre_activation, activation)
-    grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (launch_matmul(grad_pre_activation, fc_weight), launch_matmul(grad_pre_activation.t(), x),
-            launch_column_sum(grad_pre_activation), launch_matmul(grad_out.t(), activation),
-            launch_column_sum(grad_out))
+    grad_pre_activation = _launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
+    return (_launch_matmul(grad_pre_activation, fc_weight), _launch_matmul(grad_pre_activation.t(), x),
+            _launch_column_sum(grad_pre_activation), _launch_matmul(grad_out.t(), activation),
+            _launch_column_sum(grad_out))
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
