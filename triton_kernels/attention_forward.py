@@ -30,7 +30,7 @@ The one idea that makes it fast
 
 Launch
     ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
-    FORWARD_TILES); float32 and float64 take smaller tiles (``wide_float_tile``), as their products
+    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take smaller tiles (``wide_float_tile``), as their products
     run on the CUDA cores or the float64 tensor cores with operands held in registers.
 
 Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medians)
@@ -102,8 +102,19 @@ At head_dim 128: (128, 64, 8 warps, 3 stages) 0.658 ms; 4 stages 0.665; 2 stages
 no longer hide behind the matmuls); 128-key blocks 0.688; 64 queries and 4 warps 0.725."""
 
 
-def forward_tile(head_dim: int, dtype: torch.dtype) -> AttentionTile:
-    return FORWARD_TILES[head_dim] if dtype.itemsize == 2 else wide_float_tile(head_dim)
+WINDOW_TILE = AttentionTile(64, 64, 4, 3)
+"""The forward tile for 16-bit inputs under a sliding window. A program then visits only about
+(window + BLOCK_M) / BLOCK_N key blocks, so there is little loop to pipeline and the grid, not the
+loop, decides the time: 64 queries a program doubles the programs and halves the last wave's idle
+SMs. Measured on an H100 (bfloat16, (1, 4, 16384, 128), window 1024, do_bench): 0.110 ms against
+0.121 ms with the causal tile (128, 64, 8, 3), whose full causal run takes 0.561 ms (64-query tiles
+there: 0.635 ms)."""
+
+
+def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
+    if dtype.itemsize != 2:
+        return wide_float_tile(head_dim)
+    return WINDOW_TILE if windowed else FORWARD_TILES[head_dim]
 
 
 def wide_float_tile(head_dim: int) -> AttentionTile:
@@ -309,7 +320,7 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         return out, lse
     if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
         return out.zero_(), lse.fill_(float("-inf"))
-    tile = forward_tile(head_dim, q.dtype)
+    tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
         _attention_fwd_kernel[(programs,)](
