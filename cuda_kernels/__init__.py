@@ -318,14 +318,18 @@ def _check_feed_forward(op: str, x, fc_weight, proj_weight) -> None:
                          f"({x.shape[1]}, {fc_weight.shape[0]})")
 
 
-def _feed_forward_forward_fake(x, fc_weight, fc_bias, proj_weight, proj_bias):
-    op = "feed_forward_forward"
+def _check_feed_forward_arguments(op: str, x, fc_weight, fc_bias, proj_weight, proj_bias) -> None:
     _check_feed_forward(op, x, fc_weight, proj_weight)
     torch._check((fc_bias is None) == (proj_bias is None),
                  lambda: f"cuda_kernels::{op}: give both biases or neither (fc_bias is "
                          f"{'None' if fc_bias is None else 'given'}, proj_bias is {'None' if proj_bias is None else 'given'})")
     _check_bias(op, "fc_bias", fc_bias, fc_weight.shape[0])
     _check_bias(op, "proj_bias", proj_bias, x.shape[1])
+
+
+def _feed_forward_forward_fake(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    op = "feed_forward_forward"
+    _check_feed_forward_arguments(op, x, fc_weight, fc_bias, proj_weight, proj_bias)
     _check_contiguous(op, x, fc_weight, proj_weight, *(b for b in (fc_bias, proj_bias) if b is not None))
     pre_activation = x.new_empty(x.shape[0], fc_weight.shape[0])
     return torch.empty_like(x), pre_activation, torch.empty_like(pre_activation)
@@ -410,6 +414,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight^T (+ bias) of x (rows, K) and an nn.Linear weight (N, K), differentiable: the matmuls are
     cuBLAS's through ATen (bias in its epilogue), the bias gradient our column-sum kernel."""
     _require_kernels_for(x)
+    # The shape checks run here too, before the op is dispatched: on an H100 machine (torch 2.11, CUDA 13)
+    # a width mismatch rejected by the C++ op's TORCH_CHECK for CUDA tensors ended the process with a
+    # segmentation fault instead of raising, while the same check on CPU tensors raised (not yet understood).
+    _check_linear("linear_forward", x, weight)
+    _check_bias("linear_forward", "bias", bias, weight.shape[0])
     return torch.ops.cuda_kernels.linear_forward(x.contiguous(), weight.contiguous(), _contiguous_or_none(bias))
 
 
@@ -420,6 +429,7 @@ def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor
     or neither. Returns only the output (the saved pre-activation and activation stay inside the
     autograd graph)."""
     _require_kernels_for(x)
+    _check_feed_forward_arguments("feed_forward_forward", x, fc_weight, fc_bias, proj_weight, proj_bias)  # see linear
     return torch.ops.cuda_kernels.feed_forward_forward(x.contiguous(), fc_weight.contiguous(), _contiguous_or_none(fc_bias),
                                                        proj_weight.contiguous(), _contiguous_or_none(proj_bias))[0]
 
