@@ -7,12 +7,18 @@ of the first call (compilation, autotuning, the extension's build) kept apart.
 
     training_throughput(config, (batch, tokens), dtype, device)        forward, loss, backward, AdamW step
     generation_throughput(config, batch, prompt_tokens, new_tokens, dtype, device)   KV-cache decoding
+
+And what a lesson needs to train the model on real text, offline: a small text that ships with the
+package (``load_text``), a character vocabulary (``encode`` / ``decode``: newline and the 95 printable
+ASCII characters, the 96 token ids of ``levels.gpt.TINY``), and ``train``, a loop of the same
+``training_step`` that ``training_throughput`` times.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import pandas as pd
@@ -24,6 +30,77 @@ import levels as ladder
 from levels.spec import LEVEL_TITLES, resolve_level
 
 from .timing import time_once
+
+TEXT_PATH = Path(__file__).parent / "data" / "the_ladder_dialogue.txt"
+"""A 10 kB dialogue written for this course (no download): what the lessons train the tiny GPT on."""
+
+CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 127))
+"""The character vocabulary: token id i is ``CHARACTERS[i]``; 96 ids, ``levels.gpt.TINY``'s vocab_size."""
+
+_TOKEN_OF_CHARACTER = {character: token for token, character in enumerate(CHARACTERS)}
+
+
+def load_text() -> str:
+    """The course's training text."""
+    return TEXT_PATH.read_text(encoding="ascii")
+
+
+def encode(text: str) -> torch.Tensor:
+    """Token ids (int64) of ``text``, one per character; characters outside ``CHARACTERS`` are an error."""
+    unknown = sorted(set(text) - _TOKEN_OF_CHARACTER.keys())
+    if unknown:
+        raise ValueError(f"characters outside the vocabulary (newline and printable ASCII): {unknown}")
+    return torch.tensor([_TOKEN_OF_CHARACTER[character] for character in text], dtype=torch.int64)
+
+
+def decode(tokens: torch.Tensor | Sequence[int]) -> str:
+    """The text of a 1-d sequence of token ids."""
+    return "".join(CHARACTERS[int(token)] for token in tokens)
+
+
+def random_windows(data: torch.Tensor, batch: int, tokens: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows of ``tokens`` consecutive ids from ``data`` at random offsets, and the same
+    windows shifted by one: the inputs and the next-token targets of a language-model step."""
+    if data.numel() <= tokens:
+        raise ValueError(f"{data.numel()} tokens of data cannot give windows of {tokens} tokens and their targets")
+    starts = torch.randint(0, data.numel() - tokens, (batch,), generator=generator)
+    offsets = starts.unsqueeze(1) + torch.arange(tokens + 1)
+    windows = data[offsets]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+    """One step: forward, next-token cross-entropy (in float32 whatever the model's dtype), backward,
+    optimizer step. Returns the loss, detached and left on the device (reading it would wait for the GPU)."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def train(model: torch.nn.Module, data: torch.Tensor, steps: int, batch: int, tokens: int,
+          learning_rate: float = 3e-3, seed: int = 0, progress: bool = True) -> list[float]:
+    """Train ``model`` on random windows of ``data`` (token ids) with AdamW for ``steps`` steps; returns
+    the loss of every step. The learning rate decays along a cosine to a tenth, and the same ``seed``
+    draws the same windows, so two levels trained alike see the same data in the same order."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=learning_rate / 10)
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc=f"training {type(model).__name__}", unit="step", disable=not progress)
+    for _ in bar:
+        inputs, targets = (t.to(device) for t in random_windows(data, batch, tokens, generator))
+        losses.append(training_step(model, optimizer, inputs, targets).item())
+        schedule.step()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    model.eval()
+    return losses
 
 
 def models_at_levels(config: dict, chosen_levels: Iterable[str | int] | None, dtype: torch.dtype,
@@ -72,12 +149,7 @@ def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype =
     optimizers = {id(model): torch.optim.AdamW(model.parameters(), lr=1e-4) for model in models.values()}
 
     def step(model):
-        optimizer = optimizers[id(model)]
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-        loss.backward()
-        optimizer.step()
+        training_step(model, optimizers[id(model)], inputs, targets)
 
     table = _timed_rows(models, step, batch * tokens, device, repeats, "training step")
     table.attrs.update(what="training step", shape=tuple(shape), dtype=str(dtype).removeprefix("torch."),

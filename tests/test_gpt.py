@@ -1,5 +1,6 @@
-"""The tiny GPT and its parts: the same tokens at every level, a KV cache that changes nothing, and
-clear errors for bad token ids, too-long sequences and widths that do not split into heads.
+"""The tiny GPT and its parts: the same tokens at every level, a KV cache that changes nothing, training
+on the course's text, and clear errors for bad token ids, too-long sequences and widths that do not
+split into heads.
 (Logits and every parameter gradient against float64 are in the equivalence grid, test_equivalence.py.)"""
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import levels
 from levels.gpt import TINY
 from profiling import perturb_parameters_
+from profiling.language_model import CHARACTERS, decode, encode, load_text, random_windows, train
 
 from .conftest import device_param, kernel_level_device_params, level_devices
 
@@ -106,3 +108,43 @@ def test_head_dim_the_kernels_do_not_support_names_the_supported_ones(level, dev
     module = levels.build("self_attention", level, n_embd=48, n_head=1).to(device)
     with pytest.raises(ValueError, match=r"head_dim 48 is not supported.*16, 32, 64, 128"):
         module(torch.randn(1, 4, 48, device=device))
+
+
+def test_course_text_round_trips_through_the_tiny_models_vocabulary():
+    text = load_text()
+    tokens = encode(text)
+    assert len(CHARACTERS) == TINY["vocab_size"] and tokens.dtype == torch.int64
+    assert tokens.numel() == len(text) > 5000 and decode(tokens) == text
+    with pytest.raises(ValueError, match="outside the vocabulary.*'é'"):
+        encode("café")
+
+
+def test_training_windows_are_their_inputs_shifted_by_one_token():
+    data = torch.arange(100)
+    inputs, targets = random_windows(data, 4, 10, torch.Generator().manual_seed(0))
+    assert inputs.shape == targets.shape == (4, 10)
+    assert torch.equal(targets, inputs + 1)  # data[i] == i, so the next token is the id plus one
+    with pytest.raises(ValueError, match="100 tokens of data cannot give windows of 100 tokens"):
+        random_windows(data, 1, 100, torch.Generator())
+
+
+def test_training_on_the_course_text_lowers_the_loss():
+    torch.manual_seed(0)
+    model = levels.build("gpt", "native", **CONFIG)
+    losses = train(model, encode(load_text()), steps=40, batch=8, tokens=32, progress=False)
+    # From ln(96) = 4.56 (a uniform guess) to the character statistics of English: below 3.3.
+    assert losses[0] > 4.3 and sum(losses[-5:]) / 5 < 3.3
+
+
+def test_level_5_training_follows_level_1s_loss_curve():
+    """The same weights, the same windows, the same AdamW steps: level 5's own forward and backward
+    kernels give level 1's loss at every step, within the float32 tolerance."""
+    data = encode(load_text())
+    torch.manual_seed(0)
+    native = levels.build("gpt", "native", **CONFIG)
+    ours = levels.build("gpt", "cuda", **CONFIG)
+    ours.load_state_dict(native.state_dict())
+    native_losses, our_losses = (train(model, data, steps=20, batch=4, tokens=32, progress=False)
+                                 for model in (native, ours))
+    differences = [abs(a - b) / a for a, b in zip(native_losses, our_losses)]
+    assert max(differences) <= levels.TOLERANCE[torch.float32], differences
