@@ -93,7 +93,9 @@ def train(model: torch.nn.Module, data: torch.Tensor, steps: int, batch: int, to
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=learning_rate / 10)
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc=f"training {type(model).__name__}", unit="step", disable=not progress)
+    # Refreshed once a second: a step takes milliseconds, and a notebook keeps every refresh it prints.
+    bar = tqdm(range(steps), desc=f"training {type(model).__name__}", unit="step", mininterval=1.0,
+               disable=not progress)
     for _ in bar:
         inputs, targets = (t.to(device) for t in random_windows(data, batch, tokens, generator))
         losses.append(training_step(model, optimizer, inputs, targets).item())
