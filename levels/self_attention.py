@@ -108,8 +108,8 @@ class SelfAttentionSpec(ComponentSpec):
     def flops(self, shape, backward=False) -> int:
         batch, tokens, width = shape
         projections = 2 * batch * tokens * width * 4 * width  # q·k·v (3 widths) and output (1 width)
-        heads = self.attention.flops((batch, self.n_head, tokens, self.head_dim))
-        return (projections + heads) * (3 if backward else 1)
+        heads = self.attention.flops((batch, self.n_head, tokens, self.head_dim), backward)
+        return projections * (3 if backward else 1) + heads  # a matmul's backward is two matmuls
 
     def bytes_moved(self, shape, dtype, backward=False) -> int:
         activations = element_count(shape) * dtype.itemsize

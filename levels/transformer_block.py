@@ -17,7 +17,7 @@ from .feed_forward import IMPLEMENTATIONS as FEED_FORWARD
 from .layer_norm import IMPLEMENTATIONS as LAYER_NORM
 from .self_attention import IMPLEMENTATIONS as SELF_ATTENTION
 from .self_attention import KVCache, SelfAttentionSpec
-from .spec import ComponentSpec, default_device_and_dtype
+from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 
 class TransformerBlockSpec(ComponentSpec):
@@ -66,10 +66,24 @@ class TransformerBlockSpec(ComponentSpec):
         return (torch.randn(tuple(shape), dtype=dtype, device=device),)
 
     def flops(self, shape, backward=False) -> int:
-        return sum(part.flops(shape, backward) for part in (self.ln_1, self.attn, self.ln_2, self.mlp))
+        parts = sum(part.flops(shape, backward) for part in (self.ln_1, self.attn, self.ln_2, self.mlp))
+        return parts + self.residual_adds_flops(shape, backward)
 
     def bytes_moved(self, shape, dtype, backward=False) -> int:
-        return sum(part.bytes_moved(shape, dtype, backward) for part in (self.ln_1, self.attn, self.ln_2, self.mlp))
+        parts = sum(part.bytes_moved(shape, dtype, backward) for part in (self.ln_1, self.attn, self.ln_2, self.mlp))
+        return parts + self.residual_adds_bytes(shape, dtype, backward)
+
+    @staticmethod
+    def residual_adds_flops(shape, backward=False) -> int:
+        """The two residual adds: one FLOP an element each; the backward adds the branch's gradient to
+        the stream's at both."""
+        return 2 * element_count(shape) * (2 if backward else 1)
+
+    @staticmethod
+    def residual_adds_bytes(shape, dtype, backward=False) -> int:
+        """The two residual adds, each reading two (..., n_embd) tensors and writing one, as no level fuses
+        them into a neighbour; the backward's two gradient sums move as much again."""
+        return 2 * 3 * element_count(shape) * dtype.itemsize * (2 if backward else 1)
 
 
 class TransformerBlockNative(TransformerBlockSpec):

@@ -78,3 +78,22 @@ def test_torchscript_filter_matches_pytorchs_own_wording():
 
 def lambda_free_function(x: torch.Tensor) -> torch.Tensor:
     return x + 1
+
+
+def test_a_blocks_cost_model_is_its_parts_plus_its_two_residual_adds():
+    block = levels.build("transformer_block", "native", n_embd=64, n_head=2)
+    shape, elements = (2, 16, 64), 2 * 16 * 64
+    parts = (block.ln_1, block.attn, block.ln_2, block.mlp)
+    for backward, passes in ((False, 1), (True, 2)):
+        # each add: one FLOP an element; two tensors read and one written (the backward: as much again)
+        assert block.flops(shape, backward) == sum(p.flops(shape, backward) for p in parts) + 2 * elements * passes
+        assert block.bytes_moved(shape, torch.float32, backward) == (
+            sum(p.bytes_moved(shape, torch.float32, backward) for p in parts) + 2 * 3 * elements * 4 * passes)
+
+
+def test_self_attention_backward_counts_two_matmuls_per_projection_and_the_attention_backward():
+    attention = levels.build("self_attention", "native", n_embd=64, n_head=2)
+    projections = 2 * (2 * 16) * 64 * (4 * 64)  # q·k·v (3 · 64 outputs) and output (64), 2 FLOPs a multiply-add
+    heads = (2, 2, 16, 32)
+    assert attention.flops((2, 16, 64)) == projections + attention.attention.flops(heads)
+    assert attention.flops((2, 16, 64), backward=True) == 3 * projections + attention.attention.flops(heads, backward=True)
