@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS  # a leaf: builds nothing
+
 from .backends import cuda_backend, inductor, torchscript, triton_backend
 from .spec import ComponentSpec, check_floating_input, default_device_and_dtype
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-"""Head dims the flash-attention kernels of levels 4 and 5 are built for (one tile width each)."""
 
 
 def visible_keys_mask(query_length: int, key_length: int, window: int, device: torch.device) -> torch.Tensor:

@@ -23,8 +23,8 @@ def triton_backend():
 
 @functools.cache
 def cuda_backend():
-    """``cuda_kernels``: importing it builds (first time only) and loads the extension's ops."""
-    return importlib.import_module("cuda_kernels")
+    """``cuda_kernels.ops``: importing it builds (first time only) and loads the extension's ops."""
+    return importlib.import_module("cuda_kernels.ops")
 
 
 # The legacy fuser's deprecation notice, exactly as PyTorch words it. Level 2 exists to teach that

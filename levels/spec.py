@@ -14,6 +14,7 @@ import math
 from typing import ClassVar, Sequence
 
 import torch
+from cuda_kernels.limits import LevelUnavailableError  # noqa: F401  (public here; defined on the kernel side)
 from torch import nn
 
 LEVELS = ("native", "torchscript", "compile", "triton", "cuda")
@@ -55,8 +56,6 @@ TOLERANCE: dict[torch.dtype, float] = {
 }
 
 
-class LevelUnavailableError(RuntimeError):
-    """A level cannot run here (missing package, no compiler, wrong device). The message says why."""
 
 
 def resolve_level(level: str | int) -> str:

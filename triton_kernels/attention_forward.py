@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from levels.attention import SUPPORTED_HEAD_DIMS
+from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS
 
 from .launch import (
     accumulator_dtype,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from levels.spec import LevelUnavailableError
+from cuda_kernels.limits import LevelUnavailableError  # the one error type both kernel packages raise
 
 # --- where the kernels run -----------------------------------------------------------------------
 
