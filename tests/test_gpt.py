@@ -40,10 +40,11 @@ def test_greedy_generation_gives_identical_tokens_at_every_level(device):
         assert torch.equal(tokens, native), f"level {level!r} generated {tokens.tolist()}, level 1 {native.tolist()}"
 
 
-@pytest.mark.parametrize("level", ("native", "triton", "cuda"))
-def test_generation_with_kv_cache_matches_recomputing_the_whole_sequence(level):
-    model = tiny_gpt(level)
-    prompt = torch.randint(0, CONFIG["vocab_size"], (3, 4))
+@pytest.mark.parametrize("level,device", [device_param(device, "native", id_prefix="native-") for device in ("cpu", "cuda")]
+                         + kernel_level_device_params())
+def test_generation_with_kv_cache_matches_recomputing_the_whole_sequence(level, device):
+    model = tiny_gpt(level, device)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (3, 4), device=device)
     with torch.no_grad():
         recomputed = prompt
         for _ in range(6):
