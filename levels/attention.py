@@ -104,10 +104,19 @@ class AttentionSpec(ComponentSpec):
     def config_for_shape(cls, input_shape):
         return {"causal": True}
 
+    @staticmethod
+    def query_and_key_shapes(shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(q's shape, k's and v's shape) of one ``shape`` (batch, heads, seq, head_dim) for all three,
+        or of a tuple of three shapes (q, k, v): queries shorter than keys, as in decoding."""
+        if isinstance(shape[0], (tuple, list)):
+            return tuple(shape[0]), tuple(shape[1])
+        return tuple(shape), tuple(shape)
+
     def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k and v of one ``shape`` (batch, heads, seq, head_dim)."""
+        """q, k and v of one ``shape`` (batch, heads, seq, head_dim), or of three shapes (q, k, v)."""
         dtype, device = default_device_and_dtype(dtype, device)
-        return tuple(torch.randn(tuple(shape), dtype=dtype, device=device) for _ in range(3))
+        query_shape, key_shape = self.query_and_key_shapes(shape)
+        return tuple(torch.randn(s, dtype=dtype, device=device) for s in (query_shape, key_shape, key_shape))
 
     def visible_pairs(self, query_length: int, key_length: int) -> int:
         """How many (query, key) pairs the mask leaves: the work a kernel that skips masked tiles does."""
@@ -119,18 +128,20 @@ class AttentionSpec(ComponentSpec):
         return int(per_query.clamp(min=0).sum())
 
     def flops(self, shape, backward=False) -> int:
-        batch, heads, seq, head_dim = shape
+        (batch, heads, queries, head_dim), key_shape = self.query_and_key_shapes(shape)
         # Two matmuls forward (q·kᵀ and p·v), 2 FLOPs per multiply-add, over the visible pairs only.
         # The backward has five (recomputed q·kᵀ, dv, dp, dq, dk): 2.5× the forward.
-        forward = 4 * batch * heads * head_dim * self.visible_pairs(seq, seq)
+        forward = 4 * batch * heads * head_dim * self.visible_pairs(queries, key_shape[2])
         return forward + (int(2.5 * forward) if backward else 0)
 
     def bytes_moved(self, shape, dtype, backward=False) -> int:
-        batch, heads, seq, head_dim = shape
-        tensor = batch * heads * seq * head_dim * dtype.itemsize
-        log_sum_exp = batch * heads * seq * 4
-        forward = 4 * tensor + log_sum_exp  # read q, k, v; write o and the log-sum-exp
-        backward_bytes = 8 * tensor + log_sum_exp  # read q, k, v, o, do, lse; write dq, dk, dv
+        (batch, heads, queries, head_dim), key_shape = self.query_and_key_shapes(shape)
+        query_tensor = batch * heads * queries * head_dim * dtype.itemsize
+        key_tensor = batch * heads * key_shape[2] * head_dim * dtype.itemsize
+        log_sum_exp = batch * heads * queries * 4
+        forward = 2 * query_tensor + 2 * key_tensor + log_sum_exp  # read q, k, v; write o and the log-sum-exp
+        # read q, k, v, o, do, lse; write dq, dk, dv
+        backward_bytes = 4 * query_tensor + 4 * key_tensor + log_sum_exp
         return forward + (backward_bytes if backward else 0)
 
     def reference_modules(self, device: torch.device | None = None) -> dict[str, nn.Module]:
