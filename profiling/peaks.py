@@ -14,16 +14,25 @@ import torch
 from .timing import time_runs
 
 
+def copy_bytes(device_type: str) -> int:
+    """Bytes one measuring copy reads and writes: large enough to spill every cache level (H100 L2
+    is 50 MB, a server CPU's last-level cache tens of MB), small enough for a laptop."""
+    return 2 * ((256 << 20) if device_type == "cuda" else (64 << 20))
+
+
 @functools.lru_cache(maxsize=None)
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a large tensor copy (bytes read + bytes written) on ``device``."""
     device = torch.device(device)
-    # Large enough to spill every cache level (H100 L2 is 50 MB), small enough for a laptop.
-    elements = (256 << 20) // 4 if device.type == "cuda" else (64 << 20) // 4
-    source = torch.rand(elements, device=device)
+    source = torch.rand(copy_bytes(device.type) // 2 // 4, device=device)
     destination = torch.empty_like(source)
     timing = time_runs(lambda: destination.copy_(source), device, budget_s=0.5)
     return 2 * source.numel() * source.element_size() / timing.median_s
+
+
+def matmul_size(device_type: str) -> int:
+    """The side of the square matrices whose product defines 100 % of matmul peak."""
+    return 8192 if device_type == "cuda" else 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,7 +40,7 @@ def matmul_throughput(device: str, dtype: torch.dtype) -> float:
     """FLOP/s of a large square matrix product in ``dtype`` on ``device`` (the vendor library's best):
     the ceiling of compute-bound work such as attention."""
     device = torch.device(device)
-    size = 8192 if device.type == "cuda" else 1024
+    size = matmul_size(device.type)
     # Random data, not zeros: tensor cores draw less power on zeros and run measurably faster.
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)

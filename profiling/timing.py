@@ -54,6 +54,34 @@ def time_runs(function: Callable[[], object], device: torch.device, *, budget_s:
     return Timing(statistics.median(samples), deciles[0], deciles[-1], len(samples))
 
 
+def time_back_to_back(function: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,
+                      samples: int = 21, min_batch_s: float = 1e-3) -> Timing:
+    """Seconds per call of ``function`` launched back to back from Python, as a decode loop launches it.
+
+    Each sample is the wall time of a batch of N calls between two synchronisations, divided by N;
+    the median is over ``samples`` batches. N is chosen so a batch lasts at least ``min_batch_s`` (and
+    the batches together about ``budget_s``): one call of a few microseconds is too short for one
+    clock reading, and on CUDA an event pair around a single call would measure the GPU's stream time,
+    not the host's launch cost that bounds a loop of small calls. A call whose GPU work outlasts its
+    launch shows up as GPU time, a call whose launch outlasts its GPU work as launch time: either
+    way, what one more call costs.
+    """
+    for _ in range(3):
+        function()
+    one_call = max(time_once(function, device), 1e-7)
+    calls = max(1, int(max(min_batch_s, budget_s / samples) / one_call))
+    per_call = []
+    for _ in range(samples):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        synchronize(device)
+        per_call.append((time.perf_counter() - start) / calls)
+    deciles = statistics.quantiles(per_call, n=10)
+    return Timing(statistics.median(per_call), deciles[0], deciles[-1], samples * calls)
+
+
 def _clock_samples(function, runs):
     samples = []
     for _ in range(runs):

@@ -1,5 +1,8 @@
-"""compare_optimization_levels and ``python -m profiling``: the table a learner reads must be complete,
-honest about what could not run, and written to CSV and PNG on request."""
+"""compare_optimization_levels, call_overhead and ``python -m profiling``: the table a learner reads must
+be complete, on one basis, honest about what could not run and about percentages past 100, and written
+to CSV and PNG on request."""
+
+import math
 
 import pandas as pd
 import pytest
@@ -7,8 +10,9 @@ import torch
 from torch import nn
 
 import levels
-from profiling import COLUMNS, compare_optimization_levels, format_table
+from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
+from profiling.gpu_suite import FASTEST_REFERENCE, Target
 
 
 def test_one_row_per_level_plus_reference_rows():
@@ -17,14 +21,37 @@ def test_one_row_per_level_plus_reference_rows():
     table = compare_optimization_levels("layer_norm", (16, 64), device=device, levels=["native", 4, "cuda"],
                                         backward=True, budget_s=0.05, progress=False)
     assert list(table.columns) == COLUMNS
-    assert list(table["level"]) == ["1 native PyTorch", "4 Triton", "5 CUDA C++", "F.layer_norm (PyTorch fused)"]
+    assert list(table["level"]) == ["native", "triton", "cuda", "F.layer_norm (PyTorch fused)"]
+    assert list(table["title"]) == ["1 native PyTorch", "4 Triton", "5 CUDA C++", "F.layer_norm (PyTorch fused)"]
     assert list(table["kind"]) == ["level", "level", "level", "reference"]
     assert (table["status"] == "ok").all(), table["status"].tolist()
     assert table["within_tolerance"].all()
-    assert table["speedup_vs_level_1"].iloc[0] == pytest.approx(1.0)
-    assert (table["median_ms"] > 0).all() and (table["GB/s"] > 0).all() and (table["pct_copy_bandwidth"] > 0).all()
+    assert table["speedup"].iloc[0] == pytest.approx(1.0)
+    assert (table["median_ms"] > 0).all() and (table["gb_per_s"] > 0).all() and (table["pct_copy_bandwidth"] > 0).all()
     assert (table["p10_ms"] <= table["median_ms"]).all() and (table["median_ms"] <= table["p90_ms"]).all()
     assert table.attrs["backward"] is True and table.attrs["input_shape"] == (16, 64)
+    assert table.attrs["baseline"] == "native" and table.attrs["bound"] == "memory"
+
+
+def test_every_ratio_in_a_row_comes_from_its_eager_time():
+    table = compare_optimization_levels("swish", (64, 64), device="cpu", levels=[1, 2], budget_s=0.02, progress=False)
+    bytes_moved, eager_s = table.attrs["bytes_moved"], table["median_ms"] / 1e3
+    assert table["gb_per_s"].to_numpy() == pytest.approx((bytes_moved / eager_s / 1e9).to_numpy())
+    assert table["speedup"].to_numpy() == pytest.approx((table["median_ms"].iloc[0] / table["median_ms"]).to_numpy())
+    copy_bytes_per_s = table.attrs["copy_bandwidth_gb_per_s"] * 1e9
+    assert table["pct_copy_bandwidth"].to_numpy() == pytest.approx((100 * bytes_moved / eager_s / copy_bytes_per_s).to_numpy())
+
+
+def test_speedups_are_relative_to_the_named_baseline_and_the_table_says_which():
+    table = compare_optimization_levels("swish", (64, 64), device="cpu", levels=[1, 2], baseline="F.silu (PyTorch fused)",
+                                        budget_s=0.02, progress=False)
+    assert table.set_index("level").loc["F.silu (PyTorch fused)", "speedup"] == pytest.approx(1.0)
+    assert "speedup vs F.silu (PyTorch fused)" in format_table(table)
+    # Without level 1 the first row is the baseline, and the header names it.
+    table = compare_optimization_levels("swish", (64, 64), device="cpu", levels=[2], budget_s=0.02, progress=False)
+    assert table.attrs["baseline"] == "torchscript" and "speedup vs 2 TorchScript" in format_table(table)
+    with pytest.raises(ValueError, match=r"baseline 3 \(compile\) is not a row"):
+        compare_optimization_levels("swish", (64, 64), device="cpu", levels=[2], baseline=3, budget_s=0.02, progress=False)
 
 
 def test_a_level_that_cannot_run_says_why_and_the_rest_still_run():
@@ -48,18 +75,99 @@ def test_a_dict_of_modules_is_compared_against_its_first_entry():
     table = compare_optimization_levels({"exact": Doubling(), "off": AlmostDoubling()}, (32,), device="cpu",
                                         budget_s=0.02, progress=False)
     exact, off = table.itertuples()
+    assert exact.level == exact.title == "exact" and table.attrs["baseline"] == "exact"
     assert exact.max_error == 0 and exact.within_tolerance
     assert off.max_error == pytest.approx(0.005, rel=1e-3) and not off.within_tolerance
 
 
-def test_the_command_line_prints_the_table_and_writes_csv_and_png(tmp_path, capsys):
+def test_one_query_over_a_cache_is_a_memory_bound_attention_case():
+    spec = levels.build("attention", "native", causal=True)
+    one_query = ((1, 12, 1, 64), (1, 12, 64, 64), (1, 12, 64, 64))
+    q, k, v = spec.example_inputs(one_query, torch.float32, "cpu")
+    assert q.shape == (1, 12, 1, 64) and k.shape == v.shape == (1, 12, 64, 64)
+    assert spec.flops(one_query) == 4 * 12 * 64 * 64  # the one query sees all 64 keys
+    assert spec.bytes_moved(one_query, torch.float32) == 4 * (2 * 12 * 64 + 2 * 12 * 64 * 64) + 4 * 12
+    # With one shape for all three, the cost model is the square case's.
+    assert spec.flops((1, 12, 64, 64)) == 4 * 12 * 64 * spec.visible_pairs(64, 64)
+
+
+def test_call_overhead_times_every_case_forward_and_backward_back_to_back():
+    table = call_overhead("cpu", levels=[1], cases=["swish", "attention"], budget_s=0.02, progress=False)
+    assert list(dict.fromkeys(table["benchmark"])) == [
+        "decode swish forward", "decode swish fwd+bwd", "decode attention forward", "decode attention fwd+bwd"]
+    assert (table["status"] == "ok").all(), table["status"].tolist()
+    assert set(table["kind"]) == {"level", "reference"} and (table["timing"] == "back to back").all()
+    assert set(table.loc[table["benchmark"].str.startswith("decode attention"), "bound"]) == {"memory"}
+    assert (table["runs"] >= 21).all() and (table["median_ms"] > 0).all()
+
+
+def synthetic_table(bound: str, pct: float) -> pd.DataFrame:
+    """A two-row comparison, no timing: what the report functions are given."""
+    table = pd.DataFrame([
+        {"level": "native", "title": "1 native PyTorch", "kind": "level", "median_ms": 1000.0, "p10_ms": 900.0,
+         "p90_ms": 1100.0, "graph_ms": 800.0, "speedup": 1.0, "gb_per_s": 1.0, "tflop_per_s": 0.1,
+         "pct_copy_bandwidth": 10.0, "pct_matmul_peak": 10.0, "status": "ok"},
+        {"level": "F.silu", "title": "F.silu", "kind": "reference", "median_ms": 0.01, "p10_ms": 0.009, "p90_ms": 0.011,
+         "graph_ms": 0.005, "speedup": 1e5, "gb_per_s": 1e5, "tflop_per_s": 1e4, "pct_copy_bandwidth": pct,
+         "pct_matmul_peak": pct, "status": "ok"},
+    ]).reindex(columns=COLUMNS)
+    table.attrs.update(component="swish", input_shape=(8, 8), dtype="float32", device="cpu", backward=False,
+                       baseline="native", baseline_title="1 native PyTorch", bound=bound, bytes_moved=512,
+                       flop_per_byte=1.0, ridge_flop_per_byte=4.0, copy_bandwidth_gb_per_s=10.0,
+                       matmul_peak_tflop_per_s=1.0)
+    return table
+
+
+@pytest.mark.parametrize("bound,unit,ceiling", [("memory", "GB/s", "of copy BW"), ("compute", "TFLOP/s", "of matmul peak")])
+def test_the_plot_has_a_log_time_axis_a_legend_and_the_ceiling_that_fits(bound, unit, ceiling):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_comparison(synthetic_table(bound, pct=50.0))
+    assert ax.get_xscale() == "log"
+    # Five decades apart, both bars are visible: the axis starts below the faster one.
+    assert ax.get_xlim()[0] < 0.009 and ax.get_xlim()[1] > 1100
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "level (eager, launched from Python)", "PyTorch reference (eager)", "CUDA-graph replay"]
+    labels = [text.get_text() for text in ax.texts]
+    assert all(unit in label and ceiling in label for label in labels), labels
+    assert "*" not in ax.get_xlabel()
+
+
+def test_a_percent_above_100_gets_a_footnote_saying_why():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    memory = synthetic_table("memory", pct=130.0)
+    assert "130%*" in format_table(memory) and "stay in the caches" in format_table(memory)
+    assert "stay in the caches" in plot_comparison(memory).get_xlabel()
+    assert "measured 1024×1024 matmul" in format_table(synthetic_table("compute", pct=130.0))
+    assert "*" not in format_table(synthetic_table("memory", pct=99.0))
+
+
+def test_targets_read_eager_times_with_graph_replay_beside_them():
+    table = synthetic_table("memory", pct=50.0)
+    tables = {"case": table.assign(median_ms=[0.012, 0.010], graph_ms=[0.006, 0.005], level=["cuda", "F.silu"])}
+    within = Target("case", "cuda", 1.3, FASTEST_REFERENCE, at_most=True)
+    assert within.measure(tables) == pytest.approx(1.2) and within.met(1.2) == "yes"
+    assert within.measure(tables, "graph_ms") == pytest.approx(1.2)
+    faster = Target("case", "cuda", 1.0, "F.silu")
+    assert faster.measure(tables) == pytest.approx(10 / 12) and faster.met(10 / 12) == "**no**"
+    assert math.isnan(Target("case", "triton", 1.0, "F.silu").measure(tables))
+
+
+def test_the_command_line_says_what_it_will_do_prints_the_table_and_writes_csv_and_png(tmp_path, capsys):
     csv, png = tmp_path / "comparison.csv", tmp_path / "comparison.png"
     status = main(["--component", "swish", "layer_norm", "--shape", "8", "32", "--device", "cpu", "--levels", "1", "3",
                    "--budget", "0.02", "--csv", str(csv), "--plot", str(png)])
     assert status == 0
-    printed = capsys.readouterr().out
-    assert "swish forward" in printed and "layer_norm forward" in printed and "3 torch.compile" in printed
+    captured = capsys.readouterr()
+    assert "comparing swish (8, 32), layer_norm (8, 32)" in captured.err and "2 PyTorch reference rows" in captured.err
+    assert "CPU timings on a shared machine are noisy" in captured.err
+    assert f"wrote {csv}" in captured.err and f"wrote {png}" in captured.err
+    assert "swish forward" in captured.out and "layer_norm forward" in captured.out and "3 torch.compile" in captured.out
     written = pd.read_csv(csv)
     assert set(written["component"]) == {"swish", "layer_norm"}
-    assert len(written) == 2 * 2 + 2  # two levels and one reference row per component
+    assert list(written["level"]) == ["native", "compile", "F.silu (PyTorch fused)",
+                                      "native", "compile", "F.layer_norm (PyTorch fused)"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
