@@ -3,7 +3,9 @@
 ``compare_optimization_levels`` times one call of a component; a language model is judged by what it
 does per second. Both functions here build the GPT at each level with the *same* weights, run the same
 work, and return one row per level: tokens per second, the speedup over level 1, and the one-time cost
-of the first call (compilation, autotuning, the extension's build) kept apart.
+of the first call (compilation, autotuning, the extension's build) kept apart. Their columns follow
+``compare_optimization_levels``: ``level`` is the key (``"native"`` … ``"cuda"``), ``title`` the
+display name, ``speedup`` is over level 1 (the first level run).
 
     training_throughput(config, (batch, tokens), dtype, device)        forward, loss, backward, AdamW step
     generation_throughput(config, batch, prompt_tokens, new_tokens, dtype, device)   KV-cache decoding
@@ -107,21 +109,22 @@ def train(model: torch.nn.Module, data: torch.Tensor, steps: int, batch: int, to
 
 def models_at_levels(config: dict, chosen_levels: Iterable[str | int] | None, dtype: torch.dtype,
                      device: torch.device) -> dict[str, torch.nn.Module]:
-    """The GPT at each level, all holding level 1's freshly initialised weights, on ``device`` in ``dtype``."""
+    """The GPT at each level (keyed by level name), all holding level 1's freshly initialised weights,
+    on ``device`` in ``dtype``."""
     torch.manual_seed(0)
     native = ladder.build("gpt", "native", **config)
     models = {}
     for level in (resolve_level(level) for level in (chosen_levels or ladder.LEVELS)):
         model = native if level == "native" else ladder.build("gpt", level, **config)
         model.load_state_dict(native.state_dict())
-        models[LEVEL_TITLES[level]] = model.to(device=device, dtype=dtype)
+        models[level] = model.to(device=device, dtype=dtype)
     return models
 
 
 def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str) -> pd.DataFrame:
     rows = []
     for name, model in tqdm(models.items(), desc=description, unit="level", leave=False):
-        row = {"level": name}
+        row = {"level": name, "title": LEVEL_TITLES[name]}
         try:
             row["first_call_s"] = time_once(lambda: work(model), device)
             # A second untimed call: torch.compile compiles again once it sees a second shape (the
@@ -131,10 +134,10 @@ def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, descri
         except Exception as error:  # a level that cannot run here says why in its row, the rest go on
             rows.append({**row, "status": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
             continue
-        rows.append({**row, "ms": seconds * 1e3, "tokens_per_s": tokens_per_call / seconds, "status": "ok"})
+        rows.append({**row, "median_ms": seconds * 1e3, "tokens_per_s": tokens_per_call / seconds, "status": "ok"})
     table = pd.DataFrame(rows)
     if "tokens_per_s" in table:
-        table["speedup_vs_level_1"] = table["tokens_per_s"] / table["tokens_per_s"].iloc[0]
+        table["speedup"] = table["tokens_per_s"] / table["tokens_per_s"].iloc[0]
     return table
 
 
@@ -188,12 +191,12 @@ def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_toke
 
 def format_throughput(table: pd.DataFrame) -> str:
     """The table as text: level, ms, tokens/s, speedup (and token agreement for generation)."""
-    columns = [c for c in ("level", "ms", "tokens_per_s", "speedup_vs_level_1", "same_tokens_as_level_1",
+    columns = [c for c in ("title", "median_ms", "tokens_per_s", "speedup", "same_tokens_as_level_1",
                            "first_call_s", "status") if c in table]
-    formats = {"ms": "{:.2f}".format, "tokens_per_s": "{:,.0f}".format, "speedup_vs_level_1": "{:.2f}×".format,
+    formats = {"median_ms": "{:.2f}".format, "tokens_per_s": "{:,.0f}".format, "speedup": "{:.2f}×".format,
                "first_call_s": "{:.1f}".format}
     shown = table[columns].copy()
     for column, formatter in formats.items():
         if column in shown:
             shown[column] = [formatter(v) if isinstance(v, float) and not math.isnan(v) else "" for v in shown[column]]
-    return shown.to_string(index=False)
+    return shown.rename(columns={"title": "level"}).to_string(index=False)
