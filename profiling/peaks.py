@@ -1,8 +1,9 @@
 """The device's own ceilings, measured once per process: what "percent of peak" is a percent of.
 
-Datasheet numbers are leads, not ceilings: a real device-to-device copy on an H100 reaches about
-3 TB/s of its 3.35 TB/s HBM3 figure. A memory-bound kernel is judged against what a copy achieves
-on the same device in the same run.
+Datasheet numbers are leads, not ceilings: a real device-to-device copy falls short of the memory's
+datasheet bandwidth (an H100's measured copy is in profiling/results/h100/environment.json). A
+memory-bound kernel is judged against what a copy achieves on the same device in the same run, a
+compute-bound one against a large matmul measured the same way.
 """
 
 from __future__ import annotations
