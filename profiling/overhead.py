@@ -15,6 +15,8 @@ from typing import Iterable
 import pandas as pd
 import torch
 
+from levels.spec import default_device_and_dtype
+
 from .compare import compare_optimization_levels
 from .report import with_setup_columns
 
@@ -36,7 +38,7 @@ def call_overhead(device: torch.device | str | None = None, dtype: torch.dtype |
 
     Method: ``compare_optimization_levels(..., back_to_back=True)``: each sample times a batch of
     calls launched back to back from Python between two device synchronisations (wall clock), divided
-    by the batch size; the median over 21 samples is ``median_ms``. That is what a decode loop pays
+    by the batch size; the median over up to 21 samples is ``median_ms``. That is what a decode loop pays
     per call, launch and dispatch included; on CUDA ``graph_ms`` beside it replays the same call as a
     CUDA graph, the GPU's own time, so the difference is the launch overhead.
 
@@ -52,10 +54,14 @@ def call_overhead(device: torch.device | str | None = None, dtype: torch.dtype |
         One DataFrame of every case: the setup columns (``benchmark`` names the case and pass, e.g.
         ``"decode swish forward"``), then the columns of ``compare_optimization_levels``.
     """
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, device = default_device_and_dtype(None, device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    names = list(DECODE_CASES) if cases is None else list(cases)
+    unknown = set(names) - DECODE_CASES.keys()
+    if unknown or not names:
+        raise ValueError(f"choose decode cases from {', '.join(DECODE_CASES)} (got {', '.join(names) or 'none'})")
     tables = []
-    for name in cases or DECODE_CASES:
+    for name in names:
         component, shape, config = DECODE_CASES[name]
         for backward in (False, True):
             table = compare_optimization_levels(component, shape, dtype=dtype, device=device, levels=levels,
@@ -75,4 +81,5 @@ def format_overhead(table: pd.DataFrame) -> str:
     grid = cells.pivot(index="benchmark", columns="title", values="cell")
     titles = list(dict.fromkeys(ok["title"]))
     grid = grid.reindex(index=list(dict.fromkeys(ok["benchmark"])), columns=titles).fillna("-")
+    grid = grid.rename_axis(index=None, columns=None)
     return "µs per call, launched back to back (CUDA-graph replay in brackets)\n" + grid.to_string()

@@ -55,12 +55,13 @@ def time_runs(function: Callable[[], object], device: torch.device, *, budget_s:
 
 
 def time_back_to_back(function: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,
-                      samples: int = 21, min_batch_s: float = 1e-3) -> Timing:
+                      max_samples: int = 21, min_samples: int = 5, min_batch_s: float = 1e-3) -> Timing:
     """Seconds per call of ``function`` launched back to back from Python, as a decode loop launches it.
 
     Each sample is the wall time of a batch of N calls between two synchronisations, divided by N;
-    the median is over ``samples`` batches. N is chosen so a batch lasts at least ``min_batch_s`` (and
-    the batches together about ``budget_s``): one call of a few microseconds is too short for one
+    the median is over ``max_samples`` batches (down to ``min_samples`` for a call so slow, such as an
+    interpreted one, that the budget holds fewer). N is chosen so a batch lasts at least ``min_batch_s``
+    (and the batches together about ``budget_s``): one call of a few microseconds is too short for one
     clock reading, and on CUDA an event pair around a single call would measure the GPU's stream time,
     not the host's launch cost that bounds a loop of small calls. A call whose GPU work outlasts its
     launch shows up as GPU time, a call whose launch outlasts its GPU work as launch time: either
@@ -69,6 +70,7 @@ def time_back_to_back(function: Callable[[], object], device: torch.device, *, b
     for _ in range(3):
         function()
     one_call = max(time_once(function, device), 1e-7)
+    samples = int(min(max_samples, max(min_samples, budget_s / one_call)))
     calls = max(1, int(max(min_batch_s, budget_s / samples) / one_call))
     per_call = []
     for _ in range(samples):

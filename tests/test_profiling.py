@@ -98,7 +98,7 @@ def test_call_overhead_times_every_case_forward_and_backward_back_to_back():
     assert (table["status"] == "ok").all(), table["status"].tolist()
     assert set(table["kind"]) == {"level", "reference"} and (table["timing"] == "back to back").all()
     assert set(table.loc[table["benchmark"].str.startswith("decode attention"), "bound"]) == {"memory"}
-    assert (table["runs"] >= 21).all() and (table["median_ms"] > 0).all()
+    assert (table["runs"] >= 5).all() and (table["median_ms"] > 0).all()
 
 
 def synthetic_table(bound: str, pct: float) -> pd.DataFrame:
