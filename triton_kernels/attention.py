@@ -29,7 +29,8 @@ Check
 import torch
 
 from .attention_backward import launch_attention_bwd
-from .attention_forward import check_attention_shapes, launch_attention_fwd
+from .attention_forward import launch_attention_fwd
+from .attention_tiles import check_attention_shapes
 from .launch import accumulator_dtype
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------

@@ -63,7 +63,7 @@ Check
 import torch
 
 from .launch import check_contiguous, check_inputs, require
-from .matmul import Epilogue, _launch_column_sum, _launch_matmul
+from .matmul import Epilogue, launch_column_sum, launch_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -124,13 +124,13 @@ def _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre
 def launch_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check_linear_shapes("linear_forward", x, weight, bias)
     check_inputs("linear_forward", *(t for t in (x, weight, bias) if t is not None))
-    return _launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
+    return launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
 
 
 def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     _check_linear_backward_shapes(grad_out, x, weight)
     check_inputs("linear_backward", grad_out, x, weight)
-    return _launch_matmul(grad_out, weight), _launch_matmul(grad_out.t(), x), _launch_column_sum(grad_out)
+    return launch_matmul(grad_out, weight), launch_matmul(grad_out.t(), x), launch_column_sum(grad_out)
 
 
 def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_for_backward: bool = True):
@@ -141,21 +141,21 @@ def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_
     pre_activation = None
     if save_for_backward:
         pre_activation = x.new_empty((x.shape[0], fc_weight.shape[0]))
-        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
+        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
                                     pre_activation=pre_activation)
     else:
-        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
-    return _launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
+        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
+    return launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
 
 
 def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
     """(grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias)."""
     _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
     check_inputs("feed_forward_backward", grad_out, x, fc_weight, proj_weight, pre_activation, activation)
-    grad_pre_activation = _launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (_launch_matmul(grad_pre_activation, fc_weight), _launch_matmul(grad_pre_activation.t(), x),
-            _launch_column_sum(grad_pre_activation), _launch_matmul(grad_out.t(), activation),
-            _launch_column_sum(grad_out))
+    grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
+    return (launch_matmul(grad_pre_activation, fc_weight), launch_matmul(grad_pre_activation.t(), x),
+            launch_column_sum(grad_pre_activation), launch_matmul(grad_out.t(), activation),
+            launch_column_sum(grad_out))
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------

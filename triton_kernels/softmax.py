@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, on_device, require, row_tile
+from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_tile
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -129,11 +129,11 @@ def _run_row_kernels(looped_kernel, tiled_kernel, *inputs: torch.Tensor) -> torc
     compute = compute_dtype(out.dtype)
     with on_device(out):
         if tile.looped:
-            looped_kernel[(rows,)](*inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute, num_warps=tile.num_warps)
+            launch(looped_kernel, (rows,), *inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute,
+                   num_warps=tile.num_warps)
         else:
-            tiled_kernel[(cdiv(rows, tile.rows_per_tile),)](
-                *inputs, out, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute,
-                num_warps=tile.num_warps)
+            launch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), *inputs, out, rows, n, BLOCK_N=tile.block_n,
+                   ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute, num_warps=tile.num_warps)
     return out
 
 

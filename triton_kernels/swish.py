@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_contiguous, check_inputs, compute_dtype, elementwise_launch, on_device, require, split_float
+from .launch import check_contiguous, check_inputs, compute_dtype, elementwise_launch, launch, on_device, require, split_float
 
 # --- kernels --------------------------------------------------------------------------------------
 
@@ -75,8 +75,8 @@ def launch_swish_fwd(x: torch.Tensor, beta: float) -> torch.Tensor:
         return y
     programs, block, num_warps = elementwise_launch(x.numel())
     with on_device(x):
-        _swish_fwd_kernel[(programs,)](x, y, x.numel(), *split_float(beta), BLOCK=block,
-                                       COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
+        launch(_swish_fwd_kernel, (programs,), x, y, x.numel(), *split_float(beta), BLOCK=block,
+               COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return y
 
 
@@ -88,8 +88,8 @@ def launch_swish_bwd(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> to
         return grad_x
     programs, block, num_warps = elementwise_launch(x.numel())
     with on_device(x):
-        _swish_bwd_kernel[(programs,)](grad_out, x, grad_x, x.numel(), *split_float(beta), BLOCK=block,
-                                       COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
+        launch(_swish_bwd_kernel, (programs,), grad_out, x, grad_x, x.numel(), *split_float(beta), BLOCK=block,
+               COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return grad_x
 
 
