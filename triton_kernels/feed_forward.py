@@ -32,15 +32,15 @@ Measured (H100 80GB HBM3, Triton 3.6, bfloat16, 8192 tokens, C = 768, H = 3072; 
     gelu_backward kernel takes 52. A program runs its epilogue after its K loop, and with one 8-warp
     program per SM nothing else keeps the tensor cores busy meanwhile: the epilogue's loads and
     stores wait in the open instead of overlapping another tile's loop. The matmuls themselves run
-    at 0.70-0.84 × cuBLAS (matmul.py).
+    at a fraction of cuBLAS's rate (matmul.py has the figures).
         forward, no gradient             177 µs   torch.compile 156, eager PyTorch 156    0.88 ×
         forward + backward, replayed as a CUDA graph
                                          613 µs   torch.compile 491, eager PyTorch 504    0.80 ×
         forward + backward through autograd, launched from Python
                                         1614 µs   torch.compile 881, eager PyTorch 496    0.55 ×
-    The last line is host time: ten launches (six matmuls, two two-pass column sums) with their
-    checks, issued from Python, for 0.6 ms of GPU work; the registered ops under torch.compile took
-    the same (1573 µs).
+    The last line was host time: ten launches (six matmuls, two two-pass column sums) with their
+    checks, issued from Python, for 0.6 ms of GPU work. launch.py has since cut the Python around
+    each launch (profiling/results/host_path.md); the GPU rows above await a new run.
 
 What it does not do (yet)
     Overlap a tile's epilogue with the next tile's K loop (a persistent kernel, two programs per SM

@@ -246,7 +246,7 @@ DIRECT_LAUNCH = os.environ.get("TRITON_KERNELS_DIRECT_LAUNCH", "1") != "0"
 environment variable TRITON_KERNELS_DIRECT_LAUNCH=0) to send every call through JITFunction.run, to
 time one against the other. The interpreter always takes Triton's own path."""
 
-_compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel.run, function, metadata, constexpr tail)
+_compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, values of the parameters after args)
 # (The entry holds the kernel itself so that the id(kernel) in its key can never be reused.)
 _driver = None  # Triton's active driver, looked up at the first direct launch
 
@@ -264,12 +264,14 @@ def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
         compiled = kernel[grid](*args, **constants)  # Triton binds, specializes, compiles or finds, launches
         if isinstance(compiled, triton.compiler.CompiledKernel):
             tail = tuple(constants[p.name] if p.name in constants else p.default for p in kernel.params[len(args):])
-            _compiled_kernels[key] = (kernel, compiled.run, compiled.function, compiled.packed_metadata, tail)
+            _compiled_kernels[key] = (kernel, compiled, tail)
         return
-    _, run, function, metadata, tail = entry
-    stream = _driver.get_current_stream(device)
-    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, function, metadata,
-        None, None, None, *args, *tail)  # no launch metadata and no hooks: _hooked said there are none
+    _, compiled, tail = entry
+    # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
+    # the CompiledKernel at each launch; no launch metadata and no hooks, since _hooked found none.
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
 
 
 def _current_device() -> int:
