@@ -1,6 +1,7 @@
-"""``triton_kernels.launch.launch``: the first call per specialization goes through Triton's JIT, later
-ones straight to the compiled kernel's launcher with the same arguments, and anything Triton would
-specialize on differently goes back through the JIT.
+"""Level 4's way to its kernels. ``triton_kernels.launch.launch``: the first call per specialization goes
+through Triton's JIT, later ones straight to the compiled kernel's launcher with the same arguments,
+and anything Triton would specialize on differently goes back through the JIT. And a contiguous
+input (and gradient) reaches the kernels as it is, never copied on the way.
 
 No GPU is needed: the JIT's run is replaced by a recorder that returns a stand-in CompiledKernel whose
 launcher records its arguments, and the driver by one that names device 0 and stream 7."""
@@ -9,6 +10,8 @@ import importlib
 
 import pytest
 import torch
+
+import levels
 
 pytest.importorskip("triton")
 launch_module = importlib.import_module("triton_kernels.launch")
@@ -110,3 +113,48 @@ def test_switched_off_or_hooked_calls_always_take_the_jit(kernel, monkeypatch):
     assert len(kernel.recorder.jit_calls) == 3 and not kernel.recorder.launches
     call(kernel, x, y)
     assert len(kernel.recorder.launches) == 1
+
+
+# --- no hidden copies ---------------------------------------------------------------------------------
+
+LEVEL_CASES = [
+    ("swish", {}, [(2, 16)]),
+    ("layer_norm", {"normalized_shape": 16}, [(2, 16)]),
+    ("softmax", {}, [(2, 16)]),
+    ("attention", {"causal": True}, [(1, 2, 1, 16), (1, 2, 8, 16), (1, 2, 8, 16)]),
+    ("feed_forward", {"n_embd": 16}, [(1, 2, 16)]),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches (no GPU present)")
+@pytest.mark.parametrize("component,config,shapes", LEVEL_CASES, ids=[case[0] for case in LEVEL_CASES])
+def test_contiguous_inputs_and_gradients_reach_the_kernels_uncopied(component, config, shapes, monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    addresses = set()
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        addresses.update(arg.data_ptr() for arg in args if isinstance(arg, torch.Tensor))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    module = levels.build(component, "triton", **config)
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+    grad = torch.randn(shapes[0])
+    module(*inputs).backward(grad)
+    assert {x.data_ptr() for x in inputs} | {grad.data_ptr()} <= addresses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's device and dtypes (no GPU present)")
+def test_launchers_refuse_other_devices_and_dtypes_by_name():
+    from cuda_kernels.limits import LevelUnavailableError
+
+    swish = importlib.import_module("triton_kernels").swish
+    with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
+        swish(torch.randn(4, device="meta"), 1.0)
+    with pytest.raises(TypeError, match="got dtype float16; on cpu it supports: float32, float64"):
+        swish(torch.randn(4, dtype=torch.float16), 1.0)
+    layer_norm = importlib.import_module("triton_kernels").layer_norm
+    with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
+        layer_norm(torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5)

@@ -42,12 +42,12 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float64) if INTERPRETING else (
 def check_inputs(op: str, *tensors: torch.Tensor) -> None:
     """Every tensor on the one device this mode runs on, and of a dtype the kernels compute.
 
-    The test is a few attribute reads per tensor (is_cuda and get_device() are plain fields, where
+    The test is a few attribute reads per tensor (is_cpu, is_cuda and get_device() read fields, where
     ``tensor.device`` builds a new object); the messages are built only when it fails."""
-    cuda = not INTERPRETING
     device_index = tensors[0].get_device()
     for tensor in tensors:
-        if tensor.is_cuda is not cuda or tensor.get_device() != device_index or tensor.dtype not in _SUPPORTED_DTYPES:
+        if ((tensor.is_cpu if INTERPRETING else tensor.is_cuda) is not True or tensor.get_device() != device_index
+                or tensor.dtype not in _SUPPORTED_DTYPES):
             _raise_input_error(op, tensors)
 
 
@@ -251,9 +251,10 @@ _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, va
 _driver = None  # Triton's active driver, looked up at the first direct launch
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
+def launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``: tensors and scalars positionally, constexprs and launch
-    options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels."""
+    options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels. An
+    autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
     if INTERPRETING or not DIRECT_LAUNCH or not isinstance(kernel, triton.runtime.JITFunction) or _hooked(kernel):
         kernel[grid](*args, **constants)
         return

@@ -54,6 +54,7 @@ Check
     python -m pytest tests -k "feed_forward and triton"
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -92,10 +93,6 @@ class MatmulTile(NamedTuple):
     block_k: int  # depth of one step along K
     num_warps: int
     num_stages: int  # loads in flight in the software pipeline of the K loop
-
-    def options(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 SMALL_MATMUL_TILE = MatmulTile(64, 64, 64, 4, 4)
@@ -278,16 +275,27 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
     if M == 0 or N == 0:
         return out
     args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride())
-    constants = dict(EPILOGUE=epilogue, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, COMPUTE=compute_dtype(a.dtype),
-                     DOT_PRECISION=dot_input_precision(a.dtype))
     tile = _tile_choice(a.dtype, M * N * K)
+    constants = _matmul_constants(epilogue, bias is not None, a.dtype, tile)
     with on_device(a):
         if tile is None:
-            _matmul_autotuned[lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)](*args, **constants)
+            launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
+                   **constants)
         else:
-            launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args, **constants,
-                   **tile.options())
+            launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args, **constants)
     return out
+
+
+@functools.cache
+def _matmul_constants(epilogue: str, has_bias: bool, dtype: torch.dtype, tile: MatmulTile | None) -> dict:
+    """The constexprs and launch options of one matmul configuration, built once (``launch`` does not
+    modify them). Without a tile the autotuner adds the tile's own."""
+    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, GROUP_M=GROUP_M, COMPUTE=compute_dtype(dtype),
+                     DOT_PRECISION=dot_input_precision(dtype))
+    if tile is not None:
+        constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                         num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return constants
 
 
 # --- column sum (bias gradients) ------------------------------------------------------------------------
