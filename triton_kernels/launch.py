@@ -297,7 +297,7 @@ def _active_hook(hook) -> bool:
 
 _OPTION_KNOBS = [(triton.knobs.runtime, "debug"), (triton.knobs.compilation, "instrumentation_mode")] + [
     (triton.knobs.compilation, name) for name in ("fpsan_homomorphic_casts",)
-    if hasattr(type(triton.knobs.compilation), name)]  # Triton 3.9 reads this one as well
+    if hasattr(triton.knobs.compilation, name)]  # Triton 3.9 reads this one as well
 
 
 def _option_knobs() -> tuple:
