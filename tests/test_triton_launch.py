@@ -7,6 +7,8 @@ No GPU is needed: the JIT's run is replaced by a recorder that returns a stand-i
 launcher records its arguments, and the driver by one that names device 0 and stream 7."""
 
 import importlib
+import inspect
+import re
 
 import pytest
 import torch
@@ -96,6 +98,20 @@ def test_ints_of_one_specialization_share_a_kernel(kernel):
     call(kernel, x, y, n=4097)
     call(kernel, x, y, n=33)  # neither 1 nor a multiple of 16, 32 bits: as 4097
     assert len(kernel.recorder.jit_calls) == 1 and len(kernel.recorder.launches) == 1
+
+
+def test_a_knob_the_jit_folds_into_its_options_changes_the_key(kernel, monkeypatch):
+    x, y = torch.zeros(4096), torch.zeros(4096)
+    call(kernel, x, y)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)  # TRITON_DEBUG: a different kernel
+    call(kernel, x, y)
+    assert len(kernel.recorder.jit_calls) == 2 and not kernel.recorder.launches
+
+
+def test_the_key_holds_every_option_this_tritons_jit_adds_from_its_knobs():
+    # JITFunction.run writes them into its kwargs, one `kwargs["name"] = ...` line each.
+    added = set(re.findall(r'kwargs\["(\w+)"\] = ', inspect.getsource(JITFunction.run)))
+    assert added == {name for _, name in launch_module._OPTION_KNOBS}
 
 
 def test_switched_off_or_hooked_calls_always_take_the_jit(kernel, monkeypatch):
