@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     if torch.cuda.is_available():
         raise SystemExit("profiling.host_path stubs the interpreter's launches: run it where no GPU is present")
     device = "cpu"
-    print(f"level 4 host path, launches stubbed, {device} float32, µs per call (best batch of {args.iterations} calls)")
+    print(f"level 4 host path, launches stubbed, {device} float32, µs per call (best batch, {args.iterations} calls)")
     print(f"{'component':<14}{'forward':>10}{'fwd+bwd':>10}")
     for component, forward, both in host_path_table(args.iterations, device):
         print(f"{component:<14}{forward:>10.1f}{both:>10.1f}")

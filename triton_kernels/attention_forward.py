@@ -30,8 +30,9 @@ The one idea that makes it fast
 
 Launch
     ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
-    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take smaller tiles (``wide_float_tile``), as their products
-    run on the CUDA cores or the float64 tensor cores with operands held in registers.
+    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take
+    smaller tiles (``attention_tiles.wide_float_tile``), as their products run on the CUDA cores or the
+    float64 tensor cores with operands held in registers.
 
 Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medians)
     bfloat16, seq 4096, head_dim 128: 0.65 ms, 420 TFLOP/s. PyTorch SDPA on its flash backend takes
@@ -70,7 +71,16 @@ from .attention_tiles import (
     store_rows,
     wide_float_tile,
 )
-from .launch import accumulator_dtype, cdiv, check_inputs, compute_dtype, dot_input_precision, launch, on_device, split_float
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    check_inputs,
+    compute_dtype,
+    dot_input_precision,
+    launch,
+    on_device,
+    split_float,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back from base 2 to the natural log-sum-exp
 

@@ -82,7 +82,8 @@ def check_contiguous(op: str, *tensors: torch.Tensor) -> None:
     """The kernels index memory linearly. Also called by the fake implementations, where
     ``is_contiguous()`` may be a symbolic answer that ``require`` hands to torch._check."""
     for tensor in tensors:
-        require(tensor.is_contiguous(), lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
+        require(tensor.is_contiguous(),
+                lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
 
 
 _SAME_DEVICE = contextlib.nullcontext()

@@ -342,13 +342,13 @@ def launch_column_sum(x: torch.Tensor) -> torch.Tensor:
     compute = compute_dtype(x.dtype)
     with on_device(x):
         if chunks == 1:
-            launch(_column_sum_kernel, (col_blocks, 1), x, out, rows, n, rows, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-                                                COMPUTE=compute, num_warps=4)
+            launch(_column_sum_kernel, (col_blocks, 1), x, out, rows, n, rows, BLOCK_ROWS=block_rows,
+                   BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
             return out
         partial = torch.empty((chunks, n), dtype=accumulator_dtype(x.dtype), device=x.device)
         launch(_column_sum_kernel, (col_blocks, chunks), x, partial, rows, n, rows_per_chunk, BLOCK_ROWS=block_rows,
-                                                 BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
+               BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
         programs, partial_cols, partial_rows = column_reduction_launch(n, chunks, persistent_program_count(x, n, 2))
         launch(_column_sum_kernel, (programs, 1), partial, out, chunks, n, chunks, BLOCK_ROWS=partial_rows,
-                                          BLOCK_COLS=partial_cols, COMPUTE=compute, num_warps=4)
+               BLOCK_COLS=partial_cols, COMPUTE=compute, num_warps=4)
     return out

@@ -33,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_contiguous, check_inputs, compute_dtype, elementwise_launch, launch, on_device, require, split_float
+from .launch import (
+    check_contiguous,
+    check_inputs,
+    compute_dtype,
+    elementwise_launch,
+    launch,
+    on_device,
+    require,
+    split_float,
+)
 
 # --- kernels --------------------------------------------------------------------------------------
 
