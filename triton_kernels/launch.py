@@ -256,11 +256,12 @@ def launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``: tensors and scalars positionally, constexprs and launch
     options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels. An
     autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
-    if INTERPRETING or not DIRECT_LAUNCH or not isinstance(kernel, triton.runtime.JITFunction) or _hooked(kernel):
+    if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
         kernel[grid](*args, **constants)
         return
-    device = _current_device()
-    key = (id(kernel), device, *_option_knobs(), *map(_argument_key, args), *constants.items())
+    device = (_driver or _active_driver()).get_current_device()
+    key = (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
+           *[_argument_key(arg) for arg in args], *constants.items())
     entry = _compiled_kernels.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **constants)  # Triton binds, specializes, compiles or finds, launches
@@ -276,11 +277,13 @@ def launch(kernel, grid, *args, **constants) -> None:
                  *args, *tail)
 
 
-def _current_device() -> int:
+_JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
+
+
+def _active_driver():
     global _driver
-    if _driver is None:
-        _driver = triton.runtime.driver.active
-    return _driver.get_current_device()
+    _driver = triton.runtime.driver.active
+    return _driver
 
 
 def _hooked(kernel) -> bool:
@@ -293,17 +296,13 @@ def _hooked(kernel) -> bool:
 
 def _active_hook(hook) -> bool:
     # Triton's default is an empty HookChain, which the C launcher would call and which does nothing.
-    return hook is not None and not (isinstance(hook, triton.knobs.HookChain) and not hook.calls)
+    return hook is not None and not (type(hook) is triton.knobs.HookChain and not hook.calls)
 
 
 _OPTION_KNOBS = [(triton.knobs.runtime, "debug"), (triton.knobs.compilation, "instrumentation_mode")] + [
     (triton.knobs.compilation, name) for name in ("fpsan_homomorphic_casts",)
     if hasattr(triton.knobs.compilation, name)]  # Triton 3.9 reads this one as well
-
-
-def _option_knobs() -> tuple:
-    """The knobs JITFunction.run reads into the options, and so into its key, on every call."""
-    return tuple(getattr(knobs, name) for knobs, name in _OPTION_KNOBS)
+"""The knobs JITFunction.run reads into the options, and so into its key, on every call."""
 
 
 _INT32 = range(-2**31, 2**31)
