@@ -26,7 +26,13 @@ launched the next one, so those wrappers are the time of the call. ``torch.libra
 ``wrap_triton`` (in torch since 2.6, so in 2.11 and 2.13) would be a third way to register: it is a
 custom op too, so its eager calls pay the same dispatcher crossing (plus a context manager), and its
 gain is under torch.compile, where Inductor traces into the kernels. It would not make eager calls
-cheaper, so the two doors stay. Both run the same checks and the same kernels.
+cheaper, so the two doors stay. Both run the same kernels.
+
+Checks run once on each path. A launcher checks what reaches it (the ops and the package functions
+take anything a caller passes); the level classes check what the user passed, first, so that their
+errors speak of the module's arguments. The eager backward calls the ``..._unchecked`` launchers: its
+inputs are what the forward saved, and a gradient that autograd has already matched to the output in
+shape, dtype and device, so checking them again would only cost time.
 
 The path from a call to the kernel is kept short (``launch.py``): launch sizes and constants are
 cached per shape and value, checks are attribute compares that build a message only when they fail,

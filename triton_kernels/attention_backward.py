@@ -261,6 +261,12 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
                            per_query={"lse": lse})
     check_inputs("attention_backward", grad_out, q, k, v, out, lse)
+    return launch_attention_bwd_unchecked(grad_out, q, k, v, out, lse, causal, window, scale)
+
+
+def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
+    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     batch, heads, query_length, head_dim = q.shape
     key_length = k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back

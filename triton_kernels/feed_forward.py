@@ -130,6 +130,11 @@ def launch_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     _check_linear_backward_shapes(grad_out, x, weight)
     check_inputs("linear_backward", grad_out, x, weight)
+    return launch_linear_bwd_unchecked(grad_out, x, weight)
+
+
+def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     return launch_matmul(grad_out, weight), launch_matmul(grad_out.t(), x), launch_column_sum(grad_out)
 
 
@@ -152,6 +157,11 @@ def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation,
     """(grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias)."""
     _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
     check_inputs("feed_forward_backward", grad_out, x, fc_weight, proj_weight, pre_activation, activation)
+    return launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
+
+
+def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
+    """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
     return (launch_matmul(grad_pre_activation, fc_weight), launch_matmul(grad_pre_activation.t(), x),
             launch_column_sum(grad_pre_activation), launch_matmul(grad_out.t(), activation),
@@ -269,7 +279,7 @@ class _LinearEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_linear_bwd(grad_out.contiguous(), *ctx.saved_tensors)
+        grad_x, grad_weight, grad_bias = launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias if ctx.has_bias else None
 
 
@@ -286,7 +296,7 @@ class _FeedForwardEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd(
+        grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd_unchecked(
             grad_out.contiguous(), *ctx.saved_tensors)
         if not ctx.has_bias:
             grad_fc_bias = grad_proj_bias = None

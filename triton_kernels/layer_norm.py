@@ -272,6 +272,12 @@ def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch
     _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
                              per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
     check_inputs("layer_norm_backward", grad_out, x, weight, mean, rstd)
+    return launch_layer_norm_bwd_unchecked(grad_out, x, weight, mean, rstd)
+
+
+def launch_layer_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                    mean: torch.Tensor, rstd: torch.Tensor):
+    """``launch_layer_norm_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     rows, n = x.shape
     grad_x = torch.empty_like(x)
     if rows == 0:
@@ -371,7 +377,8 @@ class _LayerNormEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd(grad_out.contiguous(), *ctx.saved_tensors)
+        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd_unchecked(grad_out.contiguous(),
+                                                                              *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -176,6 +176,11 @@ def _softmax_bwd_looped_kernel(DY, Y, DX, N, BLOCK_N: tl.constexpr, COMPUTE: tl.
 def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
     check_inputs("softmax_backward", grad_out, y)
+    return launch_softmax_bwd_unchecked(grad_out, y)
+
+
+def launch_softmax_bwd_unchecked(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, grad_out, y)
 
 
@@ -235,7 +240,7 @@ class _SoftmaxEager(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (y,) = ctx.saved_tensors
-        return launch_softmax_bwd(grad_out.contiguous(), y)
+        return launch_softmax_bwd_unchecked(grad_out.contiguous(), y)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,11 @@ def launch_swish_fwd(x: torch.Tensor, beta: float) -> torch.Tensor:
 def launch_swish_bwd(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
     _check_swish_backward_shapes(grad_out, x)
     check_inputs("swish_backward", grad_out, x)
+    return launch_swish_bwd_unchecked(grad_out, x, beta)
+
+
+def launch_swish_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """``launch_swish_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     grad_x = torch.empty_like(x)
     if x.numel() == 0:
         return grad_x
@@ -167,7 +172,7 @@ class _SwishEager(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        return launch_swish_bwd(grad_out.contiguous(), x, ctx.beta), None
+        return launch_swish_bwd_unchecked(grad_out.contiguous(), x, ctx.beta), None
 
 
 def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
