@@ -28,17 +28,18 @@ custom op too, so its eager calls pay the same dispatcher crossing (plus a conte
 gain is under torch.compile, where Inductor traces into the kernels. It would not make eager calls
 cheaper, so the two doors stay. Both run the same kernels.
 
-Checks run once on each path. A launcher checks what reaches it (the ops and the package functions
-take anything a caller passes); the level classes check what the user passed, first, so that their
-errors speak of the module's arguments. The eager backward calls the ``..._unchecked`` launchers: its
-inputs are what the forward saved, and a gradient that autograd has already matched to the output in
-shape, dtype and device, so checking them again would only cost time.
+Where the checks run. A launcher checks what reaches it (the ops and the package functions take
+anything a caller passes). A level module's forward checks the user's arguments first, so that its
+errors speak of the module, and the launcher then checks the tensors it was handed: two layers, each a
+few compares when the inputs are fine. The eager backward checks nothing: it calls the
+``..._unchecked`` launchers, because its inputs are what the forward saved and a gradient that
+autograd has already matched to the output in shape, dtype and device.
 
 The path from a call to the kernel is kept short (``launch.py``): launch sizes and constants are
 cached per shape and value, checks are attribute compares that build a message only when they fail,
 and repeat launches skip JITFunction.run for the compiled kernel's own launcher (``launch.launch``;
-``launch.DIRECT_LAUNCH = False`` goes back through Triton's JIT). Measured host times, per call and
-per door: profiling/results/host_path.md.
+``launch.DIRECT_LAUNCH = False`` goes back through Triton's JIT). Measured host times:
+profiling/results/host_path.md.
 """
 
 import os
