@@ -19,12 +19,27 @@ Triton's interpreter, on CPU tensors: correct, and slow.
 
 Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax``,
 ``attention``, ``linear`` and ``feed_forward`` call the registered ops, which is what lets Inductor
-place our kernels in its graph. Called eagerly, they go through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the
-launcher): a custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and
-at 8192 × 8192 in bfloat16 the GPU finishes these kernels before the host has launched the next
-ones. Measured on an H100 machine, Swish forward + backward took 501 µs through the Function and
-624 µs through the ops (torch.compile: 565 µs); the kernels themselves need about 230 µs. Both doors
-run the same checks and the same kernels.
+place our kernels in its graph. Called eagerly, they go through a plain ``torch.autograd.Function`` (or,
+when no gradient is wanted, straight to the launcher): a custom-op call crosses the dispatcher twice
+and runs Python wrappers on the way, and at decode sizes the GPU finishes a kernel before the host has
+launched the next one, so those wrappers are the time of the call. ``torch.library.triton_op`` with
+``wrap_triton`` (in torch since 2.6, so in 2.11 and 2.13) would be a third way to register: it is a
+custom op too, so its eager calls pay the same dispatcher crossing (plus a context manager), and its
+gain is under torch.compile, where Inductor traces into the kernels. It would not make eager calls
+cheaper, so the two doors stay. Both run the same kernels.
+
+Where the checks run. A launcher checks what reaches it (the ops and the package functions take
+anything a caller passes). A level module's forward checks the user's arguments first, so that its
+errors speak of the module, and the launcher then checks the tensors it was handed: two layers, each a
+few compares when the inputs are fine. The eager backward checks nothing: it calls the
+``..._unchecked`` launchers, because its inputs are what the forward saved and a gradient that
+autograd has already matched to the output in shape, dtype and device.
+
+The path from a call to the kernel is kept short (``launch.py``): launch sizes and constants are
+cached per shape and value, checks are attribute compares that build a message only when they fail,
+and repeat launches skip JITFunction.run for the compiled kernel's own launcher (``launch.launch``;
+``launch.DIRECT_LAUNCH = False`` goes back through Triton's JIT). Measured host times:
+profiling/results/host_path.md.
 """
 
 import os

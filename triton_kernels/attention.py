@@ -28,8 +28,9 @@ Check
 
 import torch
 
-from .attention_backward import launch_attention_bwd
-from .attention_forward import check_attention_shapes, launch_attention_fwd
+from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
+from .attention_forward import launch_attention_fwd
+from .attention_tiles import check_attention_shapes
 from .launch import accumulator_dtype
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -99,7 +100,8 @@ class _AttentionEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_q, grad_k, grad_v = launch_attention_bwd(grad_out.contiguous(), *ctx.saved_tensors, *ctx.mask_and_scale)
+        grad_q, grad_k, grad_v = launch_attention_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors,
+                                                                *ctx.mask_and_scale)
         return grad_q, grad_k, grad_v, None, None, None
 
 

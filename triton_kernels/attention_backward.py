@@ -50,19 +50,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_forward import (
+from .attention_tiles import (
     LOG2E,
     AttentionTile,
-    _key_block_range,
-    _load_per_query,
-    _load_rows,
-    _query_block_of_program,
-    _store_rows,
-    _visible,
     check_attention_shapes,
+    key_block_range,
+    keys_visible,
+    load_per_query,
+    load_rows,
+    query_block_of_program,
+    store_rows,
     wide_float_tile,
 )
-from .launch import accumulator_dtype, cdiv, check_inputs, compute_dtype, dot_input_precision, on_device, split_float
+from .launch import cdiv, check_inputs, compute_dtype, dot_input_precision, launch, on_device, split_float
 
 
 class BackwardTiles(NamedTuple):
@@ -112,7 +112,7 @@ def _query_block_range(first_key, query_length, key_length, window, BLOCK_M: tl.
     """The queries that see the keys first_key … first_key + BLOCK_N − 1, as three runs of query
     blocks: [lo, full_lo) straddles the diagonal (masked), [full_lo, full_hi) sees every key of the
     block (no mask), [full_hi, hi) straddles the window's trailing edge or the end of the queries
-    (masked). The mirror image of ``_key_block_range``."""
+    (masked). The mirror image of ``key_block_range``."""
     lo = tl.zeros((), tl.int32)
     full_lo = lo
     full_hi = query_length // BLOCK_M * BLOCK_M
@@ -141,14 +141,14 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
     for block_start in range(start, end, BLOCK_M):
         queries = block_start + tl.arange(0, BLOCK_M)
         # rows past query_length read as q = do = 0, so they add nothing to dk and dv
-        q = _load_rows(Q, queries, query_length, HEAD_DIM, MASKED)
-        do = _load_rows(DOut, queries, query_length, HEAD_DIM, MASKED)
-        lse = _load_per_query(LSE, queries, query_length, MASKED)
-        delta = _load_per_query(Delta, queries, query_length, MASKED)
+        q = load_rows(Q, queries, query_length, HEAD_DIM, MASKED)
+        do = load_rows(DOut, queries, query_length, HEAD_DIM, MASKED)
+        lse = load_per_query(LSE, queries, query_length, MASKED)
+        delta = load_per_query(Delta, queries, query_length, MASKED)
         # pᵀ rebuilt from the saved log-sum-exp, in base 2 as the forward computed it
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - (lse * LOG2E)[None, :])
         if MASKED:
-            p_t = tl.where(_visible(queries[None, :], keys[:, None], query_length, key_length, window,
+            p_t = tl.where(keys_visible(queries[None, :], keys[:, None], query_length, key_length, window,
                                     CAUSAL, WINDOWED), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=dv.dtype)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -177,8 +177,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     DV += batch_head * key_length * HEAD_DIM
 
     keys = first_key + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, keys, key_length, HEAD_DIM, True)
-    v = _load_rows(V, keys, key_length, HEAD_DIM, True)
+    k = load_rows(K, keys, key_length, HEAD_DIM, True)
+    v = load_rows(V, keys, key_length, HEAD_DIM, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
@@ -194,8 +194,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_hi, hi, query_length,
                                        key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
                                        WINDOWED, DOT_PRECISION)
-    _store_rows(DK, keys, key_length, dk * scale, HEAD_DIM)
-    _store_rows(DV, keys, key_length, dv, HEAD_DIM)
+    store_rows(DK, keys, key_length, dk * scale, HEAD_DIM)
+    store_rows(DV, keys, key_length, dv, HEAD_DIM)
 
 
 # --- dq: a program per query block --------------------------------------------------------------------
@@ -208,11 +208,11 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, q
     """Add the key blocks start … end into a query block's dq."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, keys, key_length, HEAD_DIM, MASKED)
-        v = _load_rows(V, keys, key_length, HEAD_DIM, MASKED)
+        k = load_rows(K, keys, key_length, HEAD_DIM, MASKED)
+        v = load_rows(V, keys, key_length, HEAD_DIM, MASKED)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
+            p = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
                                   WINDOWED), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -225,7 +225,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
                              scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
-    first_query, batch_head = _query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
+    first_query, batch_head = query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
     Q += batch_head * query_length * HEAD_DIM
     DOut += batch_head * query_length * HEAD_DIM
     DQ += batch_head * query_length * HEAD_DIM
@@ -235,14 +235,14 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
     V += batch_head * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q, queries, query_length, HEAD_DIM, True)
-    do = _load_rows(DOut, queries, query_length, HEAD_DIM, True)
-    lse2 = _load_per_query(LSE, queries, query_length, True) * LOG2E
-    delta = _load_per_query(Delta, queries, query_length, True)
+    q = load_rows(Q, queries, query_length, HEAD_DIM, True)
+    do = load_rows(DOut, queries, query_length, HEAD_DIM, True)
+    lse2 = load_per_query(LSE, queries, query_length, True) * LOG2E
+    delta = load_per_query(Delta, queries, query_length, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
 
-    lo, full_lo, full_hi, hi = _key_block_range(first_query, query_length, key_length, window, BLOCK_M, BLOCK_N,
+    lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOWED)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, lo, full_lo, query_length, key_length,
                                  window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
@@ -250,7 +250,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
                                  window, scale * LOG2E, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_hi, hi, query_length, key_length,
                                  window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    _store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM)
+    store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM)
 
 
 # --- launcher ------------------------------------------------------------------------------------------
@@ -261,6 +261,12 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
                            per_query={"lse": lse})
     check_inputs("attention_backward", grad_out, q, k, v, out, lse)
+    return launch_attention_bwd_unchecked(grad_out, q, k, v, out, lse, causal, window, scale)
+
+
+def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
+    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     batch, heads, query_length, head_dim = q.shape
     key_length = k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
@@ -272,21 +278,18 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                   DOT_PRECISION=dot_input_precision(q.dtype))
     scale_halves = split_float(scale)
     with on_device(q):
-        _attention_bwd_delta_kernel[(cdiv(delta.numel(), DELTA_ROWS),)](
-            out, grad_out, delta, delta.numel(), HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_ROWS,
-            COMPUTE=compute_dtype(q.dtype), num_warps=4)
+        launch(_attention_bwd_delta_kernel, (cdiv(delta.numel(), DELTA_ROWS),), out, grad_out, delta, delta.numel(),
+               HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
         tile = tiles.key_blocks
-        _attention_bwd_dkdv_kernel[(cdiv(key_length, tile.block_n) * batch * heads,)](
-            q, k, v, grad_out, lse, delta, grad_k, grad_v, query_length, key_length, window, *scale_halves,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **shared)
+        launch(_attention_bwd_dkdv_kernel, (cdiv(key_length, tile.block_n) * batch * heads,), q, k, v, grad_out, lse,
+               delta, grad_k, grad_v, query_length, key_length, window, *scale_halves, BLOCK_M=tile.block_m,
+               BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
         if key_length == 1 or (causal and window == 1):
             # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q
             # or k. Say so exactly, rather than as the rounding noise of dp − δ (level 1 gives zeros).
             return grad_q.zero_(), grad_k.zero_(), grad_v
         tile = tiles.query_blocks
-        _attention_bwd_dq_kernel[(cdiv(query_length, tile.block_m) * batch * heads,)](
-            q, k, v, grad_out, lse, delta, grad_q, query_length, key_length, window, *scale_halves,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **shared)
+        launch(_attention_bwd_dq_kernel, (cdiv(query_length, tile.block_m) * batch * heads,), q, k, v, grad_out, lse,
+               delta, grad_q, query_length, key_length, window, *scale_halves, BLOCK_M=tile.block_m,
+               BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
     return grad_q, grad_k, grad_v

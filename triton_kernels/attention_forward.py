@@ -18,7 +18,7 @@ The one idea that makes it fast
     current one); the online softmax merges one key block at a time, so nothing of size seq² exists.
     Per program the bytes moved are q, o and the k, v it visits; the FLOPs are the two tile matmuls.
 
-    The mask costs nothing where it is not needed. ``_key_block_range`` splits the keys a query
+    The mask costs nothing where it is not needed. ``key_block_range`` splits the keys a query
     block can see into blocks fully visible to all its queries (no mask at all: the loop runs with
     unmasked loads and no compares) and the few blocks that straddle the causal diagonal, the
     window's trailing edge or the end of the keys (masked). Blocks no query of the block can see
@@ -30,8 +30,9 @@ The one idea that makes it fast
 
 Launch
     ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
-    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take smaller tiles (``wide_float_tile``), as their products
-    run on the CUDA cores or the float64 tensor cores with operands held in registers.
+    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take
+    smaller tiles (``attention_tiles.wide_float_tile``), as their products run on the CUDA cores or the
+    float64 tensor cores with operands held in registers.
 
 Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medians)
     bfloat16, seq 4096, head_dim 128: 0.65 ms, 420 TFLOP/s. PyTorch SDPA on its flash backend takes
@@ -55,37 +56,33 @@ Check
     python -m profiling --component attention --shape 4 16 4096 128 --dtype bfloat16 --backward
 """
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS
-
+from .attention_tiles import (
+    LOG2E,
+    AttentionTile,
+    check_attention_shapes,
+    key_block_range,
+    keys_visible,
+    load_rows,
+    query_block_of_program,
+    store_rows,
+    wide_float_tile,
+)
 from .launch import (
     accumulator_dtype,
     cdiv,
-    check_contiguous,
     check_inputs,
     compute_dtype,
     dot_input_precision,
+    launch,
     on_device,
-    require,
     split_float,
 )
 
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back from base 2 to the natural log-sum-exp
-
-
-class AttentionTile(NamedTuple):
-    """How one program of a flash-attention kernel tiles its work."""
-
-    block_m: int  # queries per tile
-    block_n: int  # keys per tile
-    num_warps: int
-    num_stages: int  # loads in flight in the software pipeline of the key (or query) loop
 
 
 FORWARD_TILES = {
@@ -117,130 +114,6 @@ def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> A
     return WINDOW_TILE if windowed else FORWARD_TILES[head_dim]
 
 
-def wide_float_tile(head_dim: int) -> AttentionTile:
-    """The tile of every attention kernel for float32 and float64 inputs. float32 ("ieee") products
-    run on the CUDA cores and float64 ones on the double-precision tensor cores, each thread holding
-    its share of both operands in registers along the whole head dim: 32 × 32 tiles over 8 warps fit
-    up to head_dim 64, at 128 the key side halves to 16 (32 × 32 spilled registers to local memory,
-    read off the compiler's resource report for sm_90)."""
-    return AttentionTile(32, 32 if head_dim <= 64 else 16, 8, 2)
-
-
-# --- input checks (launchers and fake implementations) ----------------------------------------------
-
-
-def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                           window: int, like_q: dict | None = None, per_query: dict | None = None) -> None:
-    """q is (B, H, Lq, D), k and v are (B, H, Lk, D) of q's dtype, D a supported head dim, and causal
-    attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query`` ones are (B, H, Lq) statistics
-    in the accumulator dtype. All contiguous."""
-    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-            lambda: f"{op}: q, k, v must be (batch, heads, seq, head_dim), got shapes {tuple(q.shape)}, "
-                    f"{tuple(k.shape)}, {tuple(v.shape)}")
-    require(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3],
-            lambda: f"{op}: shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    require(k.dtype == q.dtype and v.dtype == q.dtype,
-            lambda: f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    require(q.shape[3] in SUPPORTED_HEAD_DIMS,
-            lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
-                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
-    require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
-    require(causal or window == 0, lambda: f"{op}: a sliding window (here {window}) looks back from each query, "
-                                           f"so it needs causal=True")
-    require(not causal or q.shape[2] <= k.shape[2],
-            lambda: f"{op}: causal attention with {q.shape[2]} queries but only {k.shape[2]} keys: the first "
-                    f"queries would see no key (queries are aligned to the end of the keys)")
-    for name, tensor in (like_q or {}).items():
-        require(tensor.shape == q.shape and tensor.dtype == q.dtype,
-                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(q.shape)} {q.dtype}")
-    for name, tensor in (per_query or {}).items():
-        require(tensor.shape == q.shape[:3] and tensor.dtype == accumulator_dtype(q.dtype),
-                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
-                        f"{tuple(q.shape[:3])} {accumulator_dtype(q.dtype)}")
-    check_contiguous(op, q, k, v, *(like_q or {}).values(), *(per_query or {}).values())
-
-
-# --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
-
-
-@triton.jit
-def _query_block_of_program(query_length, BLOCK_M: tl.constexpr):
-    """(first query, batch·head) of this program in a flat grid over (query block, batch·head), query
-    blocks fastest: programs running together share a head, so its k and v are read from DRAM once and
-    then from L2. Causal blocks late in the sequence visit the most keys, so they go first and the
-    short ones fill the launch's tail."""
-    query_blocks = tl.cdiv(query_length, BLOCK_M)
-    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
-    return first_query, (tl.program_id(0) // query_blocks).to(tl.int64)
-
-
-@triton.jit
-def _load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one tile. MASKED: rows past row_count read
-    as 0; blocks known to lie inside skip the compare and load as plain 16-byte copies."""
-    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    if MASKED:
-        tile = tl.load(Base + offsets, mask=(rows < row_count)[:, None], other=0.0)
-    else:
-        tile = tl.load(Base + offsets)
-    return tile
-
-
-@triton.jit
-def _store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr):
-    """Write ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype; rows past
-    row_count are skipped."""
-    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(Base + offsets, tile.to(Base.dtype.element_ty), mask=(rows < row_count)[:, None])
-
-
-@triton.jit
-def _load_per_query(Base, queries, query_length, MASKED: tl.constexpr):
-    """A per-query statistic (lse, δ) at ``queries``; past query_length it reads 0 when MASKED."""
-    if MASKED:
-        values = tl.load(Base + queries, mask=queries < query_length, other=0.0)
-    else:
-        values = tl.load(Base + queries)
-    return values
-
-
-@triton.jit
-def _visible(queries, keys, query_length, key_length, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-    """Which keys each query sees, as ``levels.attention.visible_keys_mask``: ``queries`` and ``keys``
-    are index blocks shaped to broadcast against each other ((M, 1) and (1, N), or transposed)."""
-    visible = keys < key_length
-    if CAUSAL:
-        positions = queries + (key_length - query_length)  # queries are aligned to the end of the keys
-        visible = visible & (keys <= positions)
-        if WINDOWED:
-            visible = visible & (keys > positions - window)
-    return visible
-
-
-@triton.jit
-def _key_block_range(first_query, query_length, key_length, window, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-    """The keys that the queries first_query … first_query + BLOCK_M − 1 see, as three runs of key
-    blocks: [lo, full_lo) straddles the window's trailing edge (masked), [full_lo, full_hi) is seen
-    whole by every query (no mask), [full_hi, hi) straddles the diagonal or the end of the keys
-    (masked). Blocks outside [lo, hi) are seen by none and skipped."""
-    lo = tl.zeros((), tl.int32)
-    full_lo = lo
-    full_hi = key_length // BLOCK_N * BLOCK_N
-    hi = key_length
-    if CAUSAL:
-        first = first_query + (key_length - query_length)  # positions of the block's first and last query
-        last = tl.minimum(first_query + BLOCK_M, query_length) - 1 + (key_length - query_length)
-        full_hi = (first + 1) // BLOCK_N * BLOCK_N
-        hi = last + 1
-        if WINDOWED:
-            lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-            full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
 # --- forward -----------------------------------------------------------------------------------------
 
 
@@ -251,10 +124,10 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
     """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, keys, key_length, HEAD_DIM, MASKED)
+        k = load_rows(K, keys, key_length, HEAD_DIM, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units
         if MASKED:
-            scores = tl.where(_visible(queries[:, None], keys[None, :], query_length, key_length, window,
+            scores = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window,
                                        CAUSAL, WINDOWED), scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A query whose keys so far were all masked still has maximum −inf: shift by 0 there, so that
@@ -263,7 +136,7 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
         p = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = _load_rows(V, keys, key_length, HEAD_DIM, MASKED)
+        v = load_rows(V, keys, key_length, HEAD_DIM, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
         # the compute precision (out_dtype: a float64 accumulator must say so, tl.dot's default is float32).
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
@@ -276,7 +149,7 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
-    first_query, batch_head = _query_block_of_program(query_length, BLOCK_M)
+    first_query, batch_head = query_block_of_program(query_length, BLOCK_M)
     Q += batch_head * query_length * HEAD_DIM
     Out += batch_head * query_length * HEAD_DIM
     LSE += batch_head * query_length
@@ -284,13 +157,13 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
     V += batch_head * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q, queries, query_length, HEAD_DIM, True)  # stays on chip for the whole loop
+    q = load_rows(Q, queries, query_length, HEAD_DIM, True)  # stays on chip for the whole loop
     qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
     acc = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
 
-    lo, full_lo, full_hi, hi = _key_block_range(first_query, query_length, key_length, window, BLOCK_M,
+    lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WINDOWED)
     acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
                                                  query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
@@ -304,7 +177,7 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, s
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
     query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)
-    _store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM)
+    store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM)
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
@@ -323,9 +196,8 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
-        _attention_fwd_kernel[(programs,)](
-            q, k, v, out, lse, query_length, key_length, window, *split_float(scale), HEAD_DIM=head_dim,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal, WINDOWED=causal and window > 0,
-            COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_input_precision(q.dtype),
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, window,
+               *split_float(scale), HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
+               WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
+               DOT_PRECISION=dot_input_precision(q.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse

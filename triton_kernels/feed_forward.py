@@ -32,15 +32,15 @@ Measured (H100 80GB HBM3, Triton 3.6, bfloat16, 8192 tokens, C = 768, H = 3072; 
     gelu_backward kernel takes 52. A program runs its epilogue after its K loop, and with one 8-warp
     program per SM nothing else keeps the tensor cores busy meanwhile: the epilogue's loads and
     stores wait in the open instead of overlapping another tile's loop. The matmuls themselves run
-    at 0.70-0.84 × cuBLAS (matmul.py).
+    at a fraction of cuBLAS's rate (matmul.py has the figures).
         forward, no gradient             177 µs   torch.compile 156, eager PyTorch 156    0.88 ×
         forward + backward, replayed as a CUDA graph
                                          613 µs   torch.compile 491, eager PyTorch 504    0.80 ×
         forward + backward through autograd, launched from Python
                                         1614 µs   torch.compile 881, eager PyTorch 496    0.55 ×
-    The last line is host time: ten launches (six matmuls, two two-pass column sums) with their
-    checks, issued from Python, for 0.6 ms of GPU work; the registered ops under torch.compile took
-    the same (1573 µs).
+    The last line was host time: ten launches (six matmuls, two two-pass column sums) with their
+    checks, issued from Python, for 0.6 ms of GPU work. launch.py has since cut the Python around
+    each launch (profiling/results/host_path.md); the GPU rows above await a new run.
 
 What it does not do (yet)
     Overlap a tile's epilogue with the next tile's K loop (a persistent kernel, two programs per SM
@@ -63,7 +63,7 @@ Check
 import torch
 
 from .launch import check_contiguous, check_inputs, require
-from .matmul import Epilogue, _launch_column_sum, _launch_matmul
+from .matmul import Epilogue, launch_column_sum, launch_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -124,13 +124,18 @@ def _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre
 def launch_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check_linear_shapes("linear_forward", x, weight, bias)
     check_inputs("linear_forward", *(t for t in (x, weight, bias) if t is not None))
-    return _launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
+    return launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
 
 
 def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     _check_linear_backward_shapes(grad_out, x, weight)
     check_inputs("linear_backward", grad_out, x, weight)
-    return _launch_matmul(grad_out, weight), _launch_matmul(grad_out.t(), x), _launch_column_sum(grad_out)
+    return launch_linear_bwd_unchecked(grad_out, x, weight)
+
+
+def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
+    return launch_matmul(grad_out, weight), launch_matmul(grad_out.t(), x), launch_column_sum(grad_out)
 
 
 def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_for_backward: bool = True):
@@ -141,21 +146,26 @@ def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_
     pre_activation = None
     if save_for_backward:
         pre_activation = x.new_empty((x.shape[0], fc_weight.shape[0]))
-        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
+        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
                                     pre_activation=pre_activation)
     else:
-        activation = _launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
-    return _launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
+        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
+    return launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
 
 
 def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
     """(grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias)."""
     _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
     check_inputs("feed_forward_backward", grad_out, x, fc_weight, proj_weight, pre_activation, activation)
-    grad_pre_activation = _launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (_launch_matmul(grad_pre_activation, fc_weight), _launch_matmul(grad_pre_activation.t(), x),
-            _launch_column_sum(grad_pre_activation), _launch_matmul(grad_out.t(), activation),
-            _launch_column_sum(grad_out))
+    return launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
+
+
+def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
+    """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
+    grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
+    return (launch_matmul(grad_pre_activation, fc_weight), launch_matmul(grad_pre_activation.t(), x),
+            launch_column_sum(grad_pre_activation), launch_matmul(grad_out.t(), activation),
+            launch_column_sum(grad_out))
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -269,7 +279,7 @@ class _LinearEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_linear_bwd(grad_out.contiguous(), *ctx.saved_tensors)
+        grad_x, grad_weight, grad_bias = launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias if ctx.has_bias else None
 
 
@@ -286,7 +296,7 @@ class _FeedForwardEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd(
+        grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd_unchecked(
             grad_out.contiguous(), *ctx.saved_tensors)
         if not ctx.has_bias:
             grad_fc_bias = grad_proj_bias = None

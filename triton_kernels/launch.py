@@ -1,11 +1,17 @@
 """What every level-4 launcher shares: where kernels may run, input checks, dtype tables, launch-size
-heuristics and the scalar-argument trick. Kernel files import from here; nothing here launches.
+heuristics, the scalar-argument trick, and ``launch``, the one way a launcher starts a kernel.
+
+Every call of a level-4 op runs through here, so everything is cheap on the happy path: answers that
+depend only on a shape, a dtype or a constant are cached; checks cost a few attribute reads when the
+inputs are fine and build their message only when they are not. (Measured host times per call:
+profiling/results/host_path.md.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import NamedTuple
 
 import numpy
@@ -17,20 +23,38 @@ from cuda_kernels.limits import LevelUnavailableError  # the one error type both
 
 # --- where the kernels run -----------------------------------------------------------------------
 
+INTERPRETING = bool(triton.knobs.runtime.interpret)
+"""True when Triton's CPU interpreter runs our kernels. ``triton_kernels/__init__.py`` throws the switch
+before any kernel module (and so this one) is imported, and every @triton.jit decorator has read it by
+then: it cannot change afterwards, so it is read once."""
+
 
 def interpreter_is_on() -> bool:
     """True when Triton's CPU interpreter runs our kernels (``triton_kernels/__init__.py`` decides)."""
-    return bool(triton.knobs.runtime.interpret)
+    return INTERPRETING
+
+
+_DEVICE_TYPE = "cpu" if INTERPRETING else "cuda"
+_SUPPORTED_DTYPES = (torch.float32, torch.float64) if INTERPRETING else (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_inputs(op: str, *tensors: torch.Tensor) -> None:
-    """Every tensor on the one device this mode runs on, and of a dtype the kernels compute."""
-    device_type = "cpu" if interpreter_is_on() else "cuda"
-    supported = (torch.float32, torch.float64) if device_type == "cpu" else (
-        torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    """Every tensor on the one device this mode runs on, and of a dtype the kernels compute.
+
+    The test is a few attribute reads per tensor (is_cpu, is_cuda and get_device() read fields, where
+    ``tensor.device`` builds a new object); the messages are built only when it fails."""
+    device_index = tensors[0].get_device()
     for tensor in tensors:
-        if tensor.device.type != device_type:
-            if device_type == "cuda":
+        if ((tensor.is_cpu if INTERPRETING else tensor.is_cuda) is not True or tensor.get_device() != device_index
+                or tensor.dtype not in _SUPPORTED_DTYPES):
+            _raise_input_error(op, tensors)
+
+
+def _raise_input_error(op: str, tensors) -> None:
+    for tensor in tensors:
+        if tensor.device.type != _DEVICE_TYPE:
+            if _DEVICE_TYPE == "cuda":
                 raise LevelUnavailableError(
                     f"triton_kernels::{op} got a tensor on {tensor.device}: with a GPU present, Triton compiles "
                     f"for it, so inputs must be CUDA tensors")
@@ -40,10 +64,10 @@ def check_inputs(op: str, *tensors: torch.Tensor) -> None:
                 f"triton_kernels is imported without a GPU)")
         if tensor.device != tensors[0].device:
             raise ValueError(f"triton_kernels::{op} got tensors on {tensors[0].device} and {tensor.device}")
-        if tensor.dtype not in supported:
-            names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        if tensor.dtype not in _SUPPORTED_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in _SUPPORTED_DTYPES)
             raise TypeError(f"triton_kernels::{op} got dtype {str(tensor.dtype).removeprefix('torch.')}; "
-                            f"on {device_type} it supports: {names}")
+                            f"on {_DEVICE_TYPE} it supports: {names}")
 
 
 def require(condition, message) -> None:
@@ -55,14 +79,23 @@ def require(condition, message) -> None:
 
 
 def check_contiguous(op: str, *tensors: torch.Tensor) -> None:
-    """The kernels index memory linearly. Also called by the fake implementations."""
-    require(all(tensor.is_contiguous() for tensor in tensors),
-            lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
+    """The kernels index memory linearly. Also called by the fake implementations, where
+    ``is_contiguous()`` may be a symbolic answer that ``require`` hands to torch._check."""
+    for tensor in tensors:
+        require(tensor.is_contiguous(),
+                lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
+
+
+_SAME_DEVICE = contextlib.nullcontext()
 
 
 def on_device(tensor: torch.Tensor):
-    """Triton launches on the *current* CUDA device: make it the tensor's (a no-op for the interpreter)."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    """Triton launches on the *current* CUDA device: make it the tensor's. Entering
+    ``torch.cuda.device`` costs microseconds (it switches the device and back), so it is used only
+    when the tensor lives elsewhere; the interpreter and the usual one-GPU case get a shared no-op."""
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _SAME_DEVICE
 
 
 @functools.cache
@@ -75,7 +108,7 @@ def persistent_program_count(tensor: torch.Tensor, work_items: int, programs_per
     enough to fill every streaming multiprocessor (SM) ``programs_per_multiprocessor`` times, never more
     than there is work. The interpreter runs programs one after another, so there 4 suffice to
     exercise the same cross-program code."""
-    slots = programs_per_multiprocessor * _multiprocessor_count(tensor.device.index or 0) if tensor.is_cuda else 4
+    slots = programs_per_multiprocessor * _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 4
     return max(1, min(work_items, slots))
 
 
@@ -100,10 +133,12 @@ def dot_input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+@functools.cache
 def split_float(value: float) -> tuple[float, float]:
     """Triton passes a Python float to a kernel as a float32 scalar, which would cost float64 inputs
     29 bits of a constant like beta or eps. So we pass two float32 halves, ``value ≈ high + low``;
-    the kernel adds them in its compute precision and gets back 48 of the 53 bits."""
+    the kernel adds them in its compute precision and gets back 48 of the 53 bits. Cached: a module's
+    beta, eps or scale is one constant, split once instead of through NumPy on every call."""
     high = float(numpy.float32(value))
     return high, float(numpy.float32(value - high))
 
@@ -128,6 +163,7 @@ elements, two 16-byte loads in float32; many small programs let every SM keep se
 each other, at 97-99 % of copy bandwidth.)"""
 
 
+@functools.cache
 def elementwise_launch(numel: int) -> tuple[int, int, int]:
     """(programs, block, num_warps) for an elementwise kernel over ``numel`` elements."""
     block = min(ELEMENTWISE_BLOCK, max(128, next_power_of_2(numel)))
@@ -181,3 +217,100 @@ def column_reduction_launch(n: int, partial_rows: int, programs_target: int) -> 
     block_cols = min(1024, max(32, next_power_of_2(cdiv(n, programs_target))))
     block_partials = min(next_power_of_2(partial_rows), max(1, 4096 // block_cols))
     return cdiv(n, block_cols), block_cols, block_partials
+
+
+# --- launching -----------------------------------------------------------------------------------
+# ``kernel[grid](*args, **constants)`` runs Triton's JITFunction.run, which on every call reads its
+# knobs, asks the driver for the current device and stream, binds the arguments to the kernel's
+# signature and *specializes* each one (a tensor's dtype and whether its address is a multiple of
+# 16; an int's width, whether it is 1, whether it is a multiple of 16), turns that and the options
+# into a cache key (a string built per call), looks the compiled kernel up, checks that the globals
+# the kernel read have not changed, builds launch metadata for profiler hooks, and only then calls
+# the compiled kernel's C launcher. For a decode-size kernel that runs in a few microseconds, this
+# bookkeeping is a good part of the call. ``launch`` keeps the first call per key on that path (it
+# compiles, or finds the kernel in Triton's caches) and remembers the CompiledKernel it returns;
+# later calls with the same key go straight to the C launcher, with the arguments in the order
+# JITFunction.run passes them (every parameter, constexprs included, as its generated launcher
+# expects). Triton 3.6 and 3.9 share all of this: JITFunction.run, CompiledKernel.run / function /
+# packed_metadata and the launcher's arguments.
+#
+# The key holds everything Triton's does, or more (a finer key only costs an extra trip through the
+# JIT, never a wrong kernel): the kernel, the device, the knobs that JITFunction.run folds into the
+# options, per argument its type and, for a tensor, its dtype and 16-byte alignment, for an int
+# whether it is 1, whether a multiple of 16, and its width (int32, int64 or uint64), and every
+# constexpr and launch option by value. What it skips: JITFunction.run's
+# check that the globals a kernel read are unchanged (ours read module constants only) and its
+# pre-run hooks (none are registered). A profiler's launch hooks send calls back through the JIT.
+
+DIRECT_LAUNCH = os.environ.get("TRITON_KERNELS_DIRECT_LAUNCH", "1") != "0"
+"""Launch cached kernels straight through their C launcher (see above). Set it to False (or the
+environment variable TRITON_KERNELS_DIRECT_LAUNCH=0) to send every call through JITFunction.run, to
+time one against the other. The interpreter always takes Triton's own path."""
+
+_compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, values of the parameters after args)
+# (The entry holds the kernel itself so that the id(kernel) in its key can never be reused.)
+_driver = None  # Triton's active driver, looked up at the first direct launch
+
+
+def launch(kernel, grid, *args, **constants) -> None:
+    """``kernel[grid](*args, **constants)``: tensors and scalars positionally, constexprs and launch
+    options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels. An
+    autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
+    if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
+        kernel[grid](*args, **constants)
+        return
+    device = (_driver or _active_driver()).get_current_device()
+    key = (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
+           *[_argument_key(arg) for arg in args], *constants.items())
+    entry = _compiled_kernels.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **constants)  # Triton binds, specializes, compiles or finds, launches
+        if isinstance(compiled, triton.compiler.CompiledKernel):
+            tail = tuple(constants[p.name] if p.name in constants else p.default for p in kernel.params[len(args):])
+            _compiled_kernels[key] = (kernel, compiled, tail)
+        return
+    _, compiled, tail = entry
+    # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
+    # the CompiledKernel at each launch; no launch metadata and no hooks, since _hooked found none.
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
+
+
+_JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
+
+
+def _active_driver():
+    global _driver
+    _driver = triton.runtime.driver.active
+    return _driver
+
+
+def _hooked(kernel) -> bool:
+    """Whether anything asks to see this launch: launch hooks (a profiler's), pre-run hooks, a pipeline
+    inspection hook. Those calls take Triton's own path, which serves them."""
+    runtime = triton.knobs.runtime
+    return (_active_hook(runtime.launch_enter_hook) or _active_hook(runtime.launch_exit_hook)
+            or bool(kernel.pre_run_hooks) or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+
+
+def _active_hook(hook) -> bool:
+    # Triton's default is an empty HookChain, which the C launcher would call and which does nothing.
+    return hook is not None and not (type(hook) is triton.knobs.HookChain and not hook.calls)
+
+
+_OPTION_KNOBS = [(triton.knobs.runtime, "debug"), (triton.knobs.compilation, "instrumentation_mode")] + [
+    (triton.knobs.compilation, name) for name in ("fpsan_homomorphic_casts",)
+    if hasattr(triton.knobs.compilation, name)]  # Triton 3.9 reads this one as well
+"""The knobs JITFunction.run reads into the options, and so into its key, on every call."""
+
+
+_INT32 = range(-2**31, 2**31)
+
+
+def _argument_key(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if type(value) is int:
+        return int, value == 1, value % 16 == 0, value in _INT32, value >= 2**63
+    return (type(value),)

@@ -55,6 +55,7 @@ from .launch import (
     check_inputs,
     column_reduction_launch,
     compute_dtype,
+    launch,
     on_device,
     persistent_program_count,
     require,
@@ -165,13 +166,12 @@ def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     tile = row_tile(n)
     with on_device(x):
         if tile.looped:
-            _layer_norm_fwd_looped_kernel[(rows,)](x, out, weight, bias, mean, rstd, n, *split_float(eps),
-                                                   BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
-                                                   num_warps=tile.num_warps)
+            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, mean, rstd, n, *split_float(eps),
+                   BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
         else:
-            _layer_norm_fwd_kernel[(cdiv(rows, tile.rows_per_tile),)](
-                x, out, weight, bias, mean, rstd, rows, n, *split_float(eps), BLOCK_N=tile.block_n,
-                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias, mean, rstd, rows,
+                   n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                   COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
     return out, mean, rstd
 
 
@@ -272,6 +272,12 @@ def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch
     _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
                              per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
     check_inputs("layer_norm_backward", grad_out, x, weight, mean, rstd)
+    return launch_layer_norm_bwd_unchecked(grad_out, x, weight, mean, rstd)
+
+
+def launch_layer_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                    mean: torch.Tensor, rstd: torch.Tensor):
+    """``launch_layer_norm_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     rows, n = x.shape
     grad_x = torch.empty_like(x)
     if rows == 0:
@@ -294,18 +300,15 @@ def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch
     # the separate multiply costs nothing.
     with on_device(x):
         if tile.looped:
-            _layer_norm_bwd_looped_kernel[(programs,)](
-                grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n,
-                BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps,
-                enable_fp_fusion=False)
+            launch(_layer_norm_bwd_looped_kernel, (programs,), grad_out, x, weight, mean, rstd, grad_x, partial_dw,
+                   partial_db, rows, n, BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
+                   num_warps=tile.num_warps, enable_fp_fusion=False)
         else:
-            _layer_norm_bwd_kernel[(programs,)](
-                grad_out, x, weight, mean, rstd, grad_x, partial_dw, partial_db, rows, n, BLOCK_N=tile.block_n,
-                ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps,
-                enable_fp_fusion=False)
-        _layer_norm_bwd_dwdb_kernel[(reduction_programs,)](
-            partial_dw, partial_db, grad_weight, grad_bias, programs, n,
-            BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, num_warps=4)
+            launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean, rstd, grad_x, partial_dw,
+                   partial_db, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                   COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps, enable_fp_fusion=False)
+        launch(_layer_norm_bwd_dwdb_kernel, (reduction_programs,), partial_dw, partial_db, grad_weight, grad_bias,
+               programs, n, BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, num_warps=4)
     return grad_x, grad_weight, grad_bias
 
 
@@ -374,7 +377,8 @@ class _LayerNormEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd(grad_out.contiguous(), *ctx.saved_tensors)
+        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd_unchecked(grad_out.contiguous(),
+                                                                              *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -26,9 +26,9 @@ The one idea that makes it fast
 
 Launch
     16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and
-    dtype, timing only the tiles ``_tiles_worth_timing`` keeps (one for a small matmul). float32
-    (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss float32's
-    tolerance) and float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU
+    dtype, timing only the tiles ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE
+    untimed. float32 (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss
+    float32's tolerance) and float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU
     interpreter INTERPRETER_TILE: tuning there would time every candidate in a slow simulation.
     ``_tile_choice`` is the one place that decides. The column sum: two passes when there are many
     rows (partial sums of row chunks, then a sum of the partials), one otherwise.
@@ -54,6 +54,7 @@ Check
     python -m pytest tests -k "feed_forward and triton"
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -63,16 +64,14 @@ import triton.language as tl
 from .launch import (
     accumulator_dtype,
     cdiv,
-    check_contiguous,
-    check_inputs,
     column_reduction_launch,
     compute_dtype,
     dot_input_precision,
     interpreter_is_on,
+    launch,
     next_power_of_2,
     on_device,
     persistent_program_count,
-    require,
 )
 
 
@@ -94,10 +93,6 @@ class MatmulTile(NamedTuple):
     block_k: int  # depth of one step along K
     num_warps: int
     num_stages: int  # loads in flight in the software pipeline of the K loop
-
-    def options(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 SMALL_MATMUL_TILE = MatmulTile(64, 64, 64, 4, 4)
@@ -147,23 +142,14 @@ GROUP_M = 8
 """Tile-rows of C per group in the launch order (see ``_tile_of_program``)."""
 
 
-def _tile_of_config(config) -> MatmulTile:
-    return MatmulTile(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"],
-                      config.num_warps, config.num_stages)
-
-
 def _tiles_worth_timing(configs, named_args, **kwargs):
-    """Which candidates autotuning times for this matmul: SMALL_MATMUL_TILE alone for a small one;
-    otherwise those no taller or wider than the matrix (rounded up to a power of two, and to at least
-    64, the height of one wgmma), since a bigger tile only multiplies padding."""
-    M, N, K = named_args["M"], named_args["N"], named_args["K"]
-    small = [config for config in configs if _tile_of_config(config) == SMALL_MATMUL_TILE]
-    if M * N * K < SMALL_MATMUL:
-        return small
-    fits = [config for config in configs
+    """Which candidates autotuning times for a large matmul (small ones never reach the autotuner:
+    see ``_tile_choice``): those no taller or wider than the matrix (rounded up to a power of two, and
+    to at least 64, the height of one wgmma), since a bigger tile only multiplies padding."""
+    M, N = named_args["M"], named_args["N"]
+    return [config for config in configs
             if config.kwargs["BLOCK_M"] <= max(64, next_power_of_2(M))
             and config.kwargs["BLOCK_N"] <= max(64, next_power_of_2(N))]
-    return fits or small
 
 
 # --- GELU (tanh approximation) ------------------------------------------------------------------------------
@@ -265,61 +251,51 @@ _matmul_autotuned = triton.autotune(
 )(_matmul_kernel)
 
 
-def _tile_choice(dtype: torch.dtype) -> MatmulTile | None:
-    """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES."""
+def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
+    """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES.
+    A small 16-bit matmul gets SMALL_MATMUL_TILE here rather than from the autotuner, which would
+    prune its candidates to that one tile anyway, after keying and looking up its cache on every call."""
     if interpreter_is_on():
         return INTERPRETER_TILE
-    return None if dtype.itemsize == 2 else WIDE_FLOAT_TILE
-
-
-def _check_matmul_inputs(a: torch.Tensor, b: torch.Tensor, epilogue: str, bias: torch.Tensor | None,
-                         pre_activation: torch.Tensor | None) -> None:
-    require(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0],
-            lambda: f"matmul: A {tuple(a.shape)} and B {tuple(b.shape)} cannot be multiplied")
-    require(a.dtype == b.dtype, lambda: f"matmul: A is {a.dtype} but B is {b.dtype}")
-    output_shape = (a.shape[0], b.shape[1])
-    if bias is not None:
-        require(bias.shape == output_shape[1:] and bias.dtype == a.dtype,
-                lambda: f"matmul: bias is {tuple(bias.shape)} {bias.dtype}, expected ({output_shape[1]},) {a.dtype}")
-    wants_pre_activation = epilogue in (Epilogue.GELU_SAVING_PRE_ACTIVATION, Epilogue.GELU_BACKWARD)
-    require((pre_activation is not None) == wants_pre_activation,
-            lambda: f"matmul: the {epilogue} epilogue {'needs' if wants_pre_activation else 'takes no'} pre_activation")
-    if pre_activation is not None:
-        require(pre_activation.shape == output_shape and pre_activation.dtype == a.dtype,
-                lambda: f"matmul: pre_activation is {tuple(pre_activation.shape)} {pre_activation.dtype}, "
-                        f"expected {output_shape} {a.dtype}")
-        check_contiguous("matmul", pre_activation)
-    check_inputs("matmul", *(t for t in (a, b, bias, pre_activation) if t is not None))
+    if dtype.itemsize != 2:
+        return WIDE_FLOAT_TILE
+    return SMALL_MATMUL_TILE if multiply_adds < SMALL_MATMUL else None
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
                   pre_activation: torch.Tensor | None = None) -> torch.Tensor:
     """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype. ``a`` and ``b``
     may be any strided views. ``pre_activation`` is the (M, N) tensor H: written by
-    GELU_SAVING_PRE_ACTIVATION, read by GELU_BACKWARD."""
-    _check_matmul_inputs(a, b, epilogue, bias, pre_activation)
-    return _launch_matmul(a, b, epilogue, bias, pre_activation)
+    GELU_SAVING_PRE_ACTIVATION, read by GELU_BACKWARD.
 
-
-def _launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE,
-                   bias: torch.Tensor | None = None, pre_activation: torch.Tensor | None = None) -> torch.Tensor:
-    """``launch_matmul`` without its checks, for launchers that have checked their own inputs
-    (feed_forward.py). Host time is what bounds a feed-forward step through autograd on an H100 (see
-    feed_forward.py), and six matmuls' checks are part of it."""
+    Unchecked: the callers (feed_forward.py's launchers) check their inputs once for all of their
+    matmuls. Host time bounds a small feed-forward step, and six matmuls' checks would be part of it."""
     (M, K), N = a.shape, b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return out
     args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride())
-    constants = dict(EPILOGUE=epilogue, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, COMPUTE=compute_dtype(a.dtype),
-                     DOT_PRECISION=dot_input_precision(a.dtype))
-    tile = _tile_choice(a.dtype)
+    tile = _tile_choice(a.dtype, M * N * K)
+    constants = _matmul_constants(epilogue, bias is not None, a.dtype, tile)
     with on_device(a):
         if tile is None:
-            _matmul_autotuned[lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)](*args, **constants)
+            launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
+                   **constants)
         else:
-            _matmul_kernel[(cdiv(M, tile.block_m) * cdiv(N, tile.block_n),)](*args, **constants, **tile.options())
+            launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args, **constants)
     return out
+
+
+@functools.cache
+def _matmul_constants(epilogue: str, has_bias: bool, dtype: torch.dtype, tile: MatmulTile | None) -> dict:
+    """The constexprs and launch options of one matmul configuration, built once (``launch`` does not
+    modify them). Without a tile the autotuner adds the tile's own."""
+    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, GROUP_M=GROUP_M, COMPUTE=compute_dtype(dtype),
+                     DOT_PRECISION=dot_input_precision(dtype))
+    if tile is not None:
+        constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                         num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return constants
 
 
 # --- column sum (bias gradients) ------------------------------------------------------------------------
@@ -348,19 +324,11 @@ def _column_sum_kernel(X, Sums, n_rows, N, rows_per_program, BLOCK_ROWS: tl.cons
 
 def launch_column_sum(x: torch.Tensor) -> torch.Tensor:
     """Σ_rows x for a contiguous (rows, N) matrix, as an N-vector of x's dtype (summed in float32,
-    float64 for float64).
+    float64 for float64). Unchecked, as ``launch_matmul``.
 
     Few columns cannot fill the GPU (N = 768 makes 3 column blocks), so rows are split into chunks
     as well: about 4 programs per SM, each summing its chunk into a row of a float32 buffer that stays
     in L2; a second launch of the same kernel sums that buffer's columns."""
-    require(x.dim() == 2, lambda: f"column_sum: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
-    check_contiguous("column_sum", x)
-    check_inputs("column_sum", x)
-    return _launch_column_sum(x)
-
-
-def _launch_column_sum(x: torch.Tensor) -> torch.Tensor:
-    """``launch_column_sum`` without its checks (see ``_launch_matmul``)."""
     rows, n = x.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
@@ -374,13 +342,13 @@ def _launch_column_sum(x: torch.Tensor) -> torch.Tensor:
     compute = compute_dtype(x.dtype)
     with on_device(x):
         if chunks == 1:
-            _column_sum_kernel[(col_blocks, 1)](x, out, rows, n, rows, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-                                                COMPUTE=compute, num_warps=4)
+            launch(_column_sum_kernel, (col_blocks, 1), x, out, rows, n, rows, BLOCK_ROWS=block_rows,
+                   BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
             return out
         partial = torch.empty((chunks, n), dtype=accumulator_dtype(x.dtype), device=x.device)
-        _column_sum_kernel[(col_blocks, chunks)](x, partial, rows, n, rows_per_chunk, BLOCK_ROWS=block_rows,
-                                                 BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
+        launch(_column_sum_kernel, (col_blocks, chunks), x, partial, rows, n, rows_per_chunk, BLOCK_ROWS=block_rows,
+               BLOCK_COLS=block_cols, COMPUTE=compute, num_warps=4)
         programs, partial_cols, partial_rows = column_reduction_launch(n, chunks, persistent_program_count(x, n, 2))
-        _column_sum_kernel[(programs, 1)](partial, out, chunks, n, chunks, BLOCK_ROWS=partial_rows,
-                                          BLOCK_COLS=partial_cols, COMPUTE=compute, num_warps=4)
+        launch(_column_sum_kernel, (programs, 1), partial, out, chunks, n, chunks, BLOCK_ROWS=partial_rows,
+               BLOCK_COLS=partial_cols, COMPUTE=compute, num_warps=4)
     return out

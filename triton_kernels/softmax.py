@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, on_device, require, row_tile
+from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_tile
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -129,11 +129,11 @@ def _run_row_kernels(looped_kernel, tiled_kernel, *inputs: torch.Tensor) -> torc
     compute = compute_dtype(out.dtype)
     with on_device(out):
         if tile.looped:
-            looped_kernel[(rows,)](*inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute, num_warps=tile.num_warps)
+            launch(looped_kernel, (rows,), *inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute,
+                   num_warps=tile.num_warps)
         else:
-            tiled_kernel[(cdiv(rows, tile.rows_per_tile),)](
-                *inputs, out, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute,
-                num_warps=tile.num_warps)
+            launch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), *inputs, out, rows, n, BLOCK_N=tile.block_n,
+                   ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute, num_warps=tile.num_warps)
     return out
 
 
@@ -176,6 +176,11 @@ def _softmax_bwd_looped_kernel(DY, Y, DX, N, BLOCK_N: tl.constexpr, COMPUTE: tl.
 def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
     check_inputs("softmax_backward", grad_out, y)
+    return launch_softmax_bwd_unchecked(grad_out, y)
+
+
+def launch_softmax_bwd_unchecked(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, grad_out, y)
 
 
@@ -235,7 +240,7 @@ class _SoftmaxEager(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (y,) = ctx.saved_tensors
-        return launch_softmax_bwd(grad_out.contiguous(), y)
+        return launch_softmax_bwd_unchecked(grad_out.contiguous(), y)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_contiguous, check_inputs, compute_dtype, elementwise_launch, on_device, require, split_float
+from .launch import (
+    check_contiguous,
+    check_inputs,
+    compute_dtype,
+    elementwise_launch,
+    launch,
+    on_device,
+    require,
+    split_float,
+)
 
 # --- kernels --------------------------------------------------------------------------------------
 
@@ -75,21 +84,26 @@ def launch_swish_fwd(x: torch.Tensor, beta: float) -> torch.Tensor:
         return y
     programs, block, num_warps = elementwise_launch(x.numel())
     with on_device(x):
-        _swish_fwd_kernel[(programs,)](x, y, x.numel(), *split_float(beta), BLOCK=block,
-                                       COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
+        launch(_swish_fwd_kernel, (programs,), x, y, x.numel(), *split_float(beta), BLOCK=block,
+               COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return y
 
 
 def launch_swish_bwd(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
     _check_swish_backward_shapes(grad_out, x)
     check_inputs("swish_backward", grad_out, x)
+    return launch_swish_bwd_unchecked(grad_out, x, beta)
+
+
+def launch_swish_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """``launch_swish_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     grad_x = torch.empty_like(x)
     if x.numel() == 0:
         return grad_x
     programs, block, num_warps = elementwise_launch(x.numel())
     with on_device(x):
-        _swish_bwd_kernel[(programs,)](grad_out, x, grad_x, x.numel(), *split_float(beta), BLOCK=block,
-                                       COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
+        launch(_swish_bwd_kernel, (programs,), grad_out, x, grad_x, x.numel(), *split_float(beta), BLOCK=block,
+               COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return grad_x
 
 
@@ -158,7 +172,7 @@ class _SwishEager(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        return launch_swish_bwd(grad_out.contiguous(), x, ctx.beta), None
+        return launch_swish_bwd_unchecked(grad_out.contiguous(), x, ctx.beta), None
 
 
 def swish(x: torch.Tensor, beta: float) -> torch.Tensor:

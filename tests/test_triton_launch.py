@@ -1,0 +1,176 @@
+"""Level 4's way to its kernels. ``triton_kernels.launch.launch``: the first call per specialization goes
+through Triton's JIT, later ones straight to the compiled kernel's launcher with the same arguments,
+and anything Triton would specialize on differently goes back through the JIT. And a contiguous
+input (and gradient) reaches the kernels as it is, never copied on the way.
+
+No GPU is needed: the JIT's run is replaced by a recorder that returns a stand-in CompiledKernel whose
+launcher records its arguments, and the driver by one that names device 0 and stream 7."""
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+import levels
+
+pytest.importorskip("triton")
+launch_module = importlib.import_module("triton_kernels.launch")
+import triton  # noqa: E402  (after triton_kernels, which decides whether the interpreter runs)
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def _scale_kernel(X, Y, n, scale, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
+    pass
+
+
+class Recorder:
+    def __init__(self):
+        self.jit_calls, self.launches = [], []
+        self.compiled = object.__new__(triton.compiler.CompiledKernel)
+        self.compiled._run = lambda *arguments: self.launches.append(arguments)
+        self.compiled.function, self.compiled.packed_metadata = "function", "metadata"
+        self.compiled.module = None  # (nothing loaded: CompiledKernel.__del__ has nothing to unload)
+
+    def jit_run(self, *args, grid, warmup, **kwargs):
+        self.jit_calls.append((grid, args, kwargs))
+        return self.compiled
+
+
+class Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """A compiled-mode JITFunction (even where the interpreter is on) whose JIT path is recorded."""
+    kernel = JITFunction(_scale_kernel)
+    kernel.recorder = Recorder()
+    monkeypatch.setattr(kernel, "run", kernel.recorder.jit_run)
+    monkeypatch.setattr(launch_module, "INTERPRETING", False)
+    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(launch_module, "_driver", Driver())
+    monkeypatch.setattr(launch_module, "_compiled_kernels", {})
+    return kernel
+
+
+def call(kernel, x, y, n=4096, scale=0.5, block=1024, grid=(4,)):
+    launch_module.launch(kernel, grid, x, y, n, scale, BLOCK=block, COMPUTE=tl.float32, num_warps=4)
+
+
+def test_repeat_calls_skip_the_jit_and_pass_every_parameter_in_order(kernel):
+    x, y = torch.zeros(4096), torch.zeros(4096)
+    call(kernel, x, y)
+    assert len(kernel.recorder.jit_calls) == 1 and not kernel.recorder.launches
+    call(kernel, x, y, scale=2.0, grid=(3, 2))  # a new scalar value of the same type: the same kernel
+    assert len(kernel.recorder.jit_calls) == 1
+    assert kernel.recorder.launches == [(3, 2, 1, 7, "function", "metadata", None, None, None,
+                                         x, y, 4096, 2.0, 1024, tl.float32)]
+
+
+@pytest.mark.parametrize("change", [
+    {"x": "misaligned"},  # a view 4 bytes into its storage: no longer a multiple of 16
+    {"x": "float64"},
+    {"n": 1},  # Triton makes an int equal to 1 a constant
+    {"n": 4097},  # no longer a multiple of 16
+    {"n": 2**40},  # 64-bit
+    {"block": 512},  # a constexpr
+])
+def test_anything_triton_specializes_on_goes_back_through_the_jit(kernel, change):
+    x, y = torch.zeros(4097)[:4096], torch.zeros(4096)
+    call(kernel, x, y)
+    if change.get("x") == "misaligned":
+        x = torch.zeros(4097)[1:]
+    elif change.get("x") == "float64":
+        x = x.double()
+    call(kernel, x, y, n=change.get("n", 4096), block=change.get("block", 1024))
+    assert len(kernel.recorder.jit_calls) == 2 and not kernel.recorder.launches
+
+
+def test_ints_of_one_specialization_share_a_kernel(kernel):
+    x, y = torch.zeros(4096), torch.zeros(4096)
+    call(kernel, x, y, n=4097)
+    call(kernel, x, y, n=33)  # neither 1 nor a multiple of 16, 32 bits: as 4097
+    assert len(kernel.recorder.jit_calls) == 1 and len(kernel.recorder.launches) == 1
+
+
+def test_a_knob_the_jit_folds_into_its_options_changes_the_key(kernel, monkeypatch):
+    x, y = torch.zeros(4096), torch.zeros(4096)
+    call(kernel, x, y)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)  # TRITON_DEBUG: a different kernel
+    call(kernel, x, y)
+    assert len(kernel.recorder.jit_calls) == 2 and not kernel.recorder.launches
+
+
+def test_the_key_holds_every_option_this_tritons_jit_adds_from_its_knobs():
+    # JITFunction.run writes them into its kwargs, one `kwargs["name"] = ...` line each.
+    added = set(re.findall(r'kwargs\["(\w+)"\] = ', inspect.getsource(JITFunction.run)))
+    assert added == {name for _, name in launch_module._OPTION_KNOBS}
+
+
+def test_switched_off_or_hooked_calls_always_take_the_jit(kernel, monkeypatch):
+    x, y = torch.zeros(4096), torch.zeros(4096)
+    call(kernel, x, y)
+    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
+    call(kernel, x, y)
+    monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", True)
+    hook = lambda metadata: None  # noqa: E731  (a profiler's launch hook)
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        call(kernel, x, y)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.recorder.jit_calls) == 3 and not kernel.recorder.launches
+    call(kernel, x, y)
+    assert len(kernel.recorder.launches) == 1
+
+
+# --- no hidden copies ---------------------------------------------------------------------------------
+
+LEVEL_CASES = [
+    ("swish", {}, [(2, 16)]),
+    ("layer_norm", {"normalized_shape": 16}, [(2, 16)]),
+    ("softmax", {}, [(2, 16)]),
+    ("attention", {"causal": True}, [(1, 2, 1, 16), (1, 2, 8, 16), (1, 2, 8, 16)]),
+    ("feed_forward", {"n_embd": 16}, [(1, 2, 16)]),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches (no GPU present)")
+@pytest.mark.parametrize("component,config,shapes", LEVEL_CASES, ids=[case[0] for case in LEVEL_CASES])
+def test_contiguous_inputs_and_gradients_reach_the_kernels_uncopied(component, config, shapes, monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    addresses = set()
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        addresses.update(arg.data_ptr() for arg in args if isinstance(arg, torch.Tensor))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    module = levels.build(component, "triton", **config)
+    inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
+    grad = torch.randn(shapes[0])
+    module(*inputs).backward(grad)
+    assert {x.data_ptr() for x in inputs} | {grad.data_ptr()} <= addresses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's device and dtypes (no GPU present)")
+def test_launchers_refuse_other_devices_and_dtypes_by_name():
+    from cuda_kernels.limits import LevelUnavailableError
+
+    swish = importlib.import_module("triton_kernels").swish
+    with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
+        swish(torch.randn(4, device="meta"), 1.0)
+    with pytest.raises(TypeError, match="got dtype float16; on cpu it supports: float32, float64"):
+        swish(torch.randn(4, dtype=torch.float16), 1.0)
+    layer_norm = importlib.import_module("triton_kernels").layer_norm
+    with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
+        layer_norm(torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5)

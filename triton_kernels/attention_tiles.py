@@ -1,0 +1,147 @@
+"""What the flash-attention kernels of both directions share (attention_forward.py, attention_backward.py):
+the tile shape, the input checks, and the @triton.jit helpers every kernel calls: which query block a
+program owns, masked and unmasked row loads, the visibility mask, and the runs of key blocks a query
+block sees. Each is written once, so the forward and the two backward kernels mask alike.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+
+from .launch import accumulator_dtype, check_contiguous, require
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
+
+
+class AttentionTile(NamedTuple):
+    """How one program of a flash-attention kernel tiles its work."""
+
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int  # loads in flight in the software pipeline of the key (or query) loop
+
+def wide_float_tile(head_dim: int) -> AttentionTile:
+    """The tile of every attention kernel for float32 and float64 inputs. float32 ("ieee") products
+    run on the CUDA cores and float64 ones on the double-precision tensor cores, each thread holding
+    its share of both operands in registers along the whole head dim: 32 × 32 tiles over 8 warps fit
+    up to head_dim 64, at 128 the key side halves to 16 (32 × 32 spilled registers to local memory,
+    read off the compiler's resource report for sm_90)."""
+    return AttentionTile(32, 32 if head_dim <= 64 else 16, 8, 2)
+
+# --- input checks (launchers and fake implementations) ----------------------------------------------
+
+
+def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                           window: int, like_q: dict | None = None, per_query: dict | None = None) -> None:
+    """q is (B, H, Lq, D), k and v are (B, H, Lk, D) of q's dtype, D a supported head dim, and causal
+    attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query`` ones are (B, H, Lq) statistics
+    in the accumulator dtype. All contiguous."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            lambda: f"{op}: q, k, v must be (batch, heads, seq, head_dim), got shapes {tuple(q.shape)}, "
+                    f"{tuple(k.shape)}, {tuple(v.shape)}")
+    require(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3],
+            lambda: f"{op}: shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    require(k.dtype == q.dtype and v.dtype == q.dtype,
+            lambda: f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.shape[3] in SUPPORTED_HEAD_DIMS,
+            lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
+                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
+    require(causal or window == 0, lambda: f"{op}: a sliding window (here {window}) looks back from each query, "
+                                           f"so it needs causal=True")
+    require(not causal or q.shape[2] <= k.shape[2],
+            lambda: f"{op}: causal attention with {q.shape[2]} queries but only {k.shape[2]} keys: the first "
+                    f"queries would see no key (queries are aligned to the end of the keys)")
+    for name, tensor in (like_q or {}).items():
+        require(tensor.shape == q.shape and tensor.dtype == q.dtype,
+                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(q.shape)} {q.dtype}")
+    for name, tensor in (per_query or {}).items():
+        require(tensor.shape == q.shape[:3] and tensor.dtype == accumulator_dtype(q.dtype),
+                lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
+                        f"{tuple(q.shape[:3])} {accumulator_dtype(q.dtype)}")
+    check_contiguous(op, q, k, v, *(like_q or {}).values(), *(per_query or {}).values())
+
+# --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
+
+
+@triton.jit
+def query_block_of_program(query_length, BLOCK_M: tl.constexpr):
+    """(first query, batch·head) of this program in a flat grid over (query block, batch·head), query
+    blocks fastest: programs running together share a head, so its k and v are read from DRAM once and
+    then from L2. Causal blocks late in the sequence visit the most keys, so they go first and the
+    short ones fill the launch's tail."""
+    query_blocks = tl.cdiv(query_length, BLOCK_M)
+    first_query = (query_blocks - 1 - tl.program_id(0) % query_blocks) * BLOCK_M
+    return first_query, (tl.program_id(0) // query_blocks).to(tl.int64)
+
+
+@triton.jit
+def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one tile. MASKED: rows past row_count read
+    as 0; blocks known to lie inside skip the compare and load as plain 16-byte copies."""
+    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        tile = tl.load(Base + offsets, mask=(rows < row_count)[:, None], other=0.0)
+    else:
+        tile = tl.load(Base + offsets)
+    return tile
+
+
+@triton.jit
+def store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr):
+    """Write ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype; rows past
+    row_count are skipped."""
+    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(Base + offsets, tile.to(Base.dtype.element_ty), mask=(rows < row_count)[:, None])
+
+
+@triton.jit
+def load_per_query(Base, queries, query_length, MASKED: tl.constexpr):
+    """A per-query statistic (lse, δ) at ``queries``; past query_length it reads 0 when MASKED."""
+    if MASKED:
+        values = tl.load(Base + queries, mask=queries < query_length, other=0.0)
+    else:
+        values = tl.load(Base + queries)
+    return values
+
+
+@triton.jit
+def keys_visible(queries, keys, query_length, key_length, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """Which keys each query sees, as ``levels.attention.visible_keys_mask``: ``queries`` and ``keys``
+    are index blocks shaped to broadcast against each other ((M, 1) and (1, N), or transposed)."""
+    visible = keys < key_length
+    if CAUSAL:
+        positions = queries + (key_length - query_length)  # queries are aligned to the end of the keys
+        visible = visible & (keys <= positions)
+        if WINDOWED:
+            visible = visible & (keys > positions - window)
+    return visible
+
+
+@triton.jit
+def key_block_range(first_query, query_length, key_length, window, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """The keys that the queries first_query … first_query + BLOCK_M − 1 see, as three runs of key
+    blocks: [lo, full_lo) straddles the window's trailing edge (masked), [full_lo, full_hi) is seen
+    whole by every query (no mask), [full_hi, hi) straddles the diagonal or the end of the keys
+    (masked). Blocks outside [lo, hi) are seen by none and skipped."""
+    lo = tl.zeros((), tl.int32)
+    full_lo = lo
+    full_hi = key_length // BLOCK_N * BLOCK_N
+    hi = key_length
+    if CAUSAL:
+        first = first_query + (key_length - query_length)  # positions of the block's first and last query
+        last = tl.minimum(first_query + BLOCK_M, query_length) - 1 + (key_length - query_length)
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N
+        hi = last + 1
+        if WINDOWED:
+            lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
