@@ -139,6 +139,20 @@ class ComponentSpec(nn.Module):
         # The constructor arguments, kept so that any level (the float64 reference too) can be
         # rebuilt with the same configuration.
         self.config = dict(config)
+        # The (device, dtype) of inputs last found to match every parameter. Walking the parameters
+        # costs microseconds per call (tens for a transformer block), which a decode step pays in every
+        # module, so the walk runs only when that pair changes or the parameters may have (below).
+        self._parameters_match = None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half() and friends all come through here, and may move or convert parameters.
+        self.__dict__["_parameters_match"] = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def register_parameter(self, name, param):
+        # Assigning a new Parameter (module.weight = ...) comes through here too.
+        self.__dict__["_parameters_match"] = None
+        super().register_parameter(name, param)
 
     # --- the computation ---------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -151,11 +165,12 @@ class ComponentSpec(nn.Module):
     def check_inputs(self, *inputs: torch.Tensor) -> None:
         """Dtype and device checks shared by every component; components add shape checks."""
         level = self.level or "native"
-        parameters = list(self.named_parameters())
         for index, tensor in enumerate(inputs):
             name = "input" if len(inputs) == 1 else f"input {index}"
             check_floating_input(name, tensor, level)
-            check_matches_parameters(name, tensor, parameters)
+            if (tensor.device, tensor.dtype) != self._parameters_match:
+                check_matches_parameters(name, tensor, list(self.named_parameters()))
+                self.__dict__["_parameters_match"] = (tensor.device, tensor.dtype)
 
     # --- what the lessons and the profiler ask of a component ---------------------------------------
     @classmethod

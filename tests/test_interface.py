@@ -98,3 +98,18 @@ def test_self_attention_backward_counts_two_matmuls_per_projection_and_the_atten
     heads = (2, 2, 16, 32)
     assert attention.flops((2, 16, 64)) == projections + attention.attention.flops(heads)
     assert attention.flops((2, 16, 64), backward=True) == 3 * projections + attention.attention.flops(heads, backward=True)
+
+
+@pytest.mark.parametrize("level", levels.LEVELS)
+def test_parameter_check_runs_again_after_the_parameters_change(level):
+    # The parameter walk is skipped while inputs keep the (device, dtype) that last matched; moving the
+    # module or assigning a new parameter must bring it back.
+    module = levels.build("layer_norm", level, normalized_shape=8)
+    module(torch.randn(2, 8))
+    module.to(torch.float64)
+    with pytest.raises(TypeError, match="float32 but weight has dtype torch.float64"):
+        module(torch.randn(2, 8))
+    module(torch.randn(2, 8, dtype=torch.float64))
+    module.bias = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(TypeError, match="float64 but bias has dtype torch.float32"):
+        module(torch.randn(2, 8, dtype=torch.float64))
