@@ -166,7 +166,11 @@ GELU_CUBIC = tl.constexpr(0.044715)
 @triton.jit
 def _sigmoid_of_2u(h):
     """s = sigmoid(2u),  u = sqrt(2/π)·(h + 0.044715·h³)."""
-    return tl.sigmoid((h + h * h * h * GELU_CUBIC) * (2 * SQRT_2_OVER_PI))
+    two_u = (h + h * h * h * GELU_CUBIC) * (2 * SQRT_2_OVER_PI)
+    # exp(−|2u|) ≤ 1: tl.sigmoid's exp(−2u) overflows to inf for 2u < −88 in float32 (h < −10);
+    # a GPU shrugs (1/inf = 0), but Triton's CPU interpreter (numpy) warns on every such lane.
+    e = tl.exp(-tl.abs(two_u))
+    return tl.where(two_u >= 0, 1.0, e) / (1.0 + e)
 
 
 @triton.jit
