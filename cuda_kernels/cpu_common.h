@@ -12,6 +12,9 @@
 namespace kernel_ladder {
 
 // Waking a thread team costs a few microseconds: below this many elements one thread finishes first.
+// On a combined `parallel for simd` write the clause as `if (parallel : n >= kMinParallelElements)`:
+// a bare `if` applies to the simd part too (OpenMP 5.0), and a small loop then runs one element at a
+// time, 5x slower, at exactly the decode sizes where per-call time matters most.
 constexpr int64_t kMinParallelElements = 1 << 15;
 
 // Calls fn(T{}) with T = float or double; fn is a generic lambda that reads T back with decltype.

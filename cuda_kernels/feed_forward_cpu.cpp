@@ -60,7 +60,7 @@ inline T gelu_slope(T h) {
 
 template <typename T>
 void gelu_forward(const T* __restrict pre_activation, T* __restrict activation, int64_t numel) {
-#pragma omp parallel for simd schedule(static) if (numel >= kMinParallelElements)
+#pragma omp parallel for simd schedule(static) if (parallel : numel >= kMinParallelElements)
   for (int64_t i = 0; i < numel; ++i) activation[i] = pre_activation[i] * half_one_plus_tanh(gelu_argument(pre_activation[i]));
 }
 

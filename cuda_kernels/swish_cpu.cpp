@@ -29,13 +29,13 @@ inline T sigmoid(T z) { return T(1) / (T(1) + exp_branch_free(-z)); }
 
 template <typename T>
 void swish_forward(const T* __restrict x, T* __restrict y, int64_t numel, T beta) {
-#pragma omp parallel for simd schedule(static) if (numel >= kMinParallelElements)
+#pragma omp parallel for simd schedule(static) if (parallel : numel >= kMinParallelElements)
   for (int64_t i = 0; i < numel; ++i) y[i] = x[i] * sigmoid(beta * x[i]);
 }
 
 template <typename T>
 void swish_backward(const T* __restrict grad_out, const T* __restrict x, T* __restrict grad_x, int64_t numel, T beta) {
-#pragma omp parallel for simd schedule(static) if (numel >= kMinParallelElements)
+#pragma omp parallel for simd schedule(static) if (parallel : numel >= kMinParallelElements)
   for (int64_t i = 0; i < numel; ++i) {
     const T s = sigmoid(beta * x[i]);  // recomputed: cheaper than storing s forward and reading it back
     grad_x[i] = grad_out[i] * s * (T(1) + beta * x[i] * (T(1) - s));

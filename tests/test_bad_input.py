@@ -1,6 +1,11 @@
 """Bad input gets a clear error, never a crash or a silently wrong answer; awkward but valid input
 (empty, non-contiguous, sizes that are no multiple of a block) gets the right answer."""
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -228,3 +233,59 @@ def test_feed_forward_with_projections_that_do_not_chain_or_one_bias_is_an_error
     proj_weight = torch.randn(7, 11, device=device)
     with pytest.raises((ValueError, RuntimeError), match="bias"):
         backend.feed_forward(x, fc_weight, fc_bias, proj_weight, None)
+
+
+# --- level 5's C++ checks, on every device ------------------------------------------------------------
+
+# Each op of level 5 fed tensors that do not fit together, through its Python function and (with
+# requires_grad) through its C++ autograd kernel; the last line says which exception each raised.
+LEVEL_5_MISFITS = textwrap.dedent("""
+    import sys
+    import torch
+    from cuda_kernels import ops
+
+    device = sys.argv[1]
+    elsewhere = "cpu" if device == "cuda" else "meta"
+    def tensor(*shape, dtype=torch.float32, grad=False):
+        return torch.randn(*shape, device=device).to(dtype).requires_grad_(grad)
+    raised = []
+    for grad in (False, True):
+        cases = {
+            "swish dtype": lambda: ops.swish(tensor(3, dtype=torch.int32), 1.0),
+            "swish_backward shape": lambda: torch.ops.cuda_kernels.swish_backward(tensor(3), tensor(4), 1.0),
+            "layer_norm weight": lambda: ops.layer_norm(tensor(4, 8, grad=grad), tensor(7), tensor(8), 1e-5),
+            "layer_norm weight device": lambda: ops.layer_norm(tensor(4, 8, grad=grad), torch.ones(8, device=elsewhere),
+                                                               tensor(8), 1e-5),
+            "softmax rank": lambda: ops.softmax(tensor(2, 3, 4, grad=grad)),
+            "attention head_dim": lambda: ops.attention(tensor(1, 2, 8, 16, grad=grad), tensor(1, 2, 8, 32),
+                                                        tensor(1, 2, 8, 32), True, 0, 0.25),
+            "attention causal": lambda: ops.attention(tensor(1, 2, 9, 16, grad=grad), tensor(1, 2, 4, 16),
+                                                      tensor(1, 2, 4, 16), True, 0, 0.25),
+            "linear width": lambda: ops.linear(tensor(5, 7, grad=grad), tensor(11, 8), tensor(11)),
+            "linear bias": lambda: ops.linear(tensor(5, 7, grad=grad), tensor(11, 7), tensor(10)),
+            "feed_forward chain": lambda: ops.feed_forward(tensor(5, 7, grad=grad), tensor(11, 7), tensor(11),
+                                                           tensor(7, 12), tensor(7)),
+            "feed_forward one bias": lambda: ops.feed_forward(tensor(5, 7, grad=grad), tensor(11, 7), tensor(11),
+                                                              tensor(7, 11), None),
+        }
+        for name, call in cases.items():
+            try:
+                call()
+            except (ValueError, TypeError) as error:
+                raised.append(f"{name}: {type(error).__name__}")
+            else:
+                sys.exit(f"{name} (requires_grad={grad}) raised nothing")
+    print("; ".join(raised))
+""")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_level_5_ops_raise_python_exceptions_for_inputs_that_do_not_fit(device):
+    # In a child process, so that a crash fails this test instead of ending the run: on an H100 machine
+    # a rejected CUDA call once ended the process with a segmentation fault instead of raising.
+    result = subprocess.run([sys.executable, "-c", LEVEL_5_MISFITS, device], capture_output=True, text=True,
+                            timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, f"exit code {result.returncode}: {result.stderr[-3000:]}"
+    raised = result.stdout.strip().splitlines()[-1].split("; ")
+    assert len(raised) == 22
+    assert all(entry.endswith("TypeError") == ("dtype" in entry) for entry in raised), raised

@@ -1,6 +1,8 @@
 """Levels 4 and 5 are our own ops: check their gradients numerically (float64 ``gradcheck``) and
 their registration (``torch.library.opcheck``: schema, fake tensor, autograd, torch.compile)."""
 
+import shutil
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -110,3 +112,19 @@ def test_every_op_passes_opcheck(level, device):
     for op_name, args in op_samples(namespace, device, torch.float32):
         op = getattr(getattr(torch.ops, namespace), op_name).default
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a gcc-like c++ driver")
+def test_a_compiler_that_links_libstdcxx_statically_is_not_used_for_the_extension(tmp_path, monkeypatch):
+    # A second, uninitialised C++ runtime inside the extension crashed the process at the first
+    # TORCH_CHECK message on the H100 machine, whose CXX wrapper linked libstdc++ statically.
+    from cuda_kernels import ops
+
+    wrapper = tmp_path / "g++-static"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("c++")} -static-libstdc++ "$@"\n')
+    wrapper.chmod(0o755)
+    assert ops._links_libstdcxx_statically(str(wrapper))
+    assert not ops._links_libstdcxx_statically(shutil.which("c++"))
+    monkeypatch.setenv("CXX", str(wrapper))
+    compiler, why = ops._cxx_compiler_for_the_extension()
+    assert compiler != str(wrapper) and "statically" in why

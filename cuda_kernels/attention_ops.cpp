@@ -1,0 +1,163 @@
+// Flash attention as a PyTorch op: the host wrappers around attention_forward.cu, attention_backward.cu
+// and attention_cpu.cpp, the autograd formula, and the registration (laid out as swish_ops.cpp
+// explains, with binding.h's helpers).
+//
+//   attention_forward(q, k, v, causal, window, scale)                 -> (out, lse)
+//   attention_backward(grad_out, q, k, v, out, lse, causal, window, scale) -> (grad_q, grad_k, grad_v)
+//
+// q is (B, H, Lq, D), k and v (B, H, Lk, D); query i sits at key position i + Lk - Lq. lse, the log of
+// each softmax's denominator (B, H, Lq, in the accumulator type), is an output so that the backward can
+// recompute the probabilities tile by tile instead of storing them; autograd marks it
+// non-differentiable and the Python function returns out.
+//
+// Check
+//   python -m pytest tests -k "attention and cuda"
+#include "binding.h"
+
+namespace kernel_ladder {
+namespace {
+
+// q (B, H, Lq, D), k and v (B, H, Lk, D), one dtype and device; D one of the kernels' tile widths;
+// causal attention needs Lq <= Lk (queries are aligned to the end of the keys).
+void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                     int64_t window) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "cuda_kernels::", op, ": q must be (batch, heads, seq, head_dim), got shape ", q.sym_sizes());
+  const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), lq = q.sym_size(2), d = q.sym_size(3);
+  const c10::SymInt lk = k.dim() == 4 ? k.sym_size(2) : c10::SymInt(-1);
+  check_argument(op, "k", k, q, q.scalar_type(), {batch, heads, lk, d});
+  check_argument(op, "v", v, q, q.scalar_type(), {batch, heads, lk, d});
+  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
+                    " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
+  TORCH_CHECK_VALUE(!causal || lq <= lk, "cuda_kernels::", op, ": causal attention with ", lq, " queries but only ", lk,
+                    " keys (queries are aligned to the end of the keys)");
+  TORCH_CHECK_VALUE(lk >= 1 || lq == 0 || batch * heads == 0, "cuda_kernels::", op, ": ", lq,
+                    " queries and no key to attend to");
+  TORCH_CHECK_VALUE(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(window == 0 || causal, "cuda_kernels::", op, ": a sliding window (", window,
+                    ") looks back from each query, so it needs causal=True");
+}
+
+// The CUDA kernels copy rows in 16-byte pieces. A tensor from PyTorch's allocator always allows it; only
+// a view that starts at an odd offset into its storage does not. (Checked on the contiguous tensors,
+// before the launch: a strided input's copy is aligned.)
+void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK_VALUE(!t->is_cuda() || reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, "cuda_kernels::", op,
+                      ": tensors must start at 16-byte aligned addresses on the GPU (call .clone() on this view)");
+  }
+}
+
+AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window, double scale) {
+  return AttentionShape{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), causal, window, scale};
+}
+
+TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
+                             double scale) {
+  const char* op = "attention_forward";
+  const DType dtype = kernel_dtype(op, q);
+  check_attention(op, q, k, v, causal, window);
+  at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  at::Tensor lse = at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(statistics_dtype(q)));
+  if (q.is_meta() || out.numel() == 0) return {out, lse};  // (no 0-block launch)
+  const at::Tensor queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
+  check_aligned_16(op, {&queries, &keys, &values});
+  const AttentionShape shape = attention_shape(q, k, causal, window, scale);
+  run_on_device_of(
+      queries,
+      [&](void* stream) {
+        launch_attention_forward(dtype, shape, queries.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
+                                 out.mutable_data_ptr(), lse.mutable_data_ptr(), stream);
+      },
+      [&] {
+        attention_forward_cpu(dtype, shape, queries.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
+                              out.mutable_data_ptr(), lse.mutable_data_ptr());
+      });
+  return {out, lse};
+}
+
+TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& out, const at::Tensor& lse, bool causal, int64_t window, double scale) {
+  const char* op = "attention_backward";
+  const DType dtype = kernel_dtype(op, q);
+  check_attention(op, q, k, v, causal, window);
+  check_argument(op, "grad_out", grad_out, q, q.scalar_type(), q.sym_sizes());
+  check_argument(op, "out", out, q, q.scalar_type(), q.sym_sizes());
+  check_argument(op, "lse", lse, q, statistics_dtype(q), q.sym_sizes().slice(0, 3));
+  at::Tensor grad_q = at::empty_symint(q.sym_sizes(), q.options());
+  at::Tensor grad_k = at::empty_symint(k.sym_sizes(), k.options());
+  at::Tensor grad_v = at::empty_symint(v.sym_sizes(), v.options());
+  if (q.is_meta()) return {grad_q, grad_k, grad_v};
+  if (q.numel() == 0 || k.numel() == 0) {  // nothing to launch; keys no query sees get zero gradients
+    return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
+  }
+  const at::Tensor dy = grad_out.contiguous(), queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
+  const at::Tensor output = out.contiguous(), log_sum_exp = lse.contiguous();
+  check_aligned_16(op, {&dy, &queries, &keys, &values, &output});
+  const AttentionShape shape = attention_shape(q, k, causal, window, scale);
+  run_on_device_of(
+      queries,
+      [&](void* stream) {
+        // delta (and dq partial sums), from PyTorch's caching allocator: freed when this returns, and
+        // reused only by work queued after ours on the same stream.
+        at::Tensor workspace = at::empty({attention_backward_workspace_size(dtype, shape)}, lse.options());
+        launch_attention_backward(dtype, shape, dy.const_data_ptr(), queries.const_data_ptr(), keys.const_data_ptr(),
+                                  values.const_data_ptr(), output.const_data_ptr(), log_sum_exp.const_data_ptr(),
+                                  grad_q.mutable_data_ptr(), grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr(),
+                                  workspace.mutable_data_ptr(), stream);
+      },
+      [&] {
+        attention_backward_cpu(dtype, shape, dy.const_data_ptr(), queries.const_data_ptr(), keys.const_data_ptr(),
+                               values.const_data_ptr(), output.const_data_ptr(), log_sum_exp.const_data_ptr(),
+                               grad_q.mutable_data_ptr(), grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr());
+      });
+  return {grad_q, grad_k, grad_v};
+}
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
+                                                double scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(attention_forward)>("cuda_kernels::attention_forward");
+    const at::Tensor queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
+    auto [out, lse] = op.call(queries, keys, values, causal, window, scale);
+    // lse, not the probabilities: the backward recomputes them.
+    ctx->save_for_backward({queries, keys, values, out, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["scale"] = scale;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // no zero tensor for lse's (always absent) gradient
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    static const auto op = find_op<decltype(attention_backward)>("cuda_kernels::attention_backward");
+    const at::Tensor none;
+    if (!grad_outputs[0].defined()) return {none, none, none, none, none, none};
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_q, grad_k, grad_v] =
+        op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["window"].toInt(), ctx->saved_data["scale"].toDouble());
+    return {if_needed(ctx, 0, grad_q), if_needed(ctx, 1, grad_k), if_needed(ctx, 2, grad_v), none, none, none};
+  }
+};
+
+TensorPair attention_forward_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                                      int64_t window, double scale) {
+  const auto outputs = AttentionFunction::apply(q, k, v, causal, window, scale);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+}  // namespace kernel_ladder
+
+TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal, int window, float scale) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+        "int window, float scale) -> (Tensor, Tensor, Tensor)");
+  kernel_ladder::impl_differentiable<&kernel_ladder::attention_forward, &kernel_ladder::attention_backward,
+                                     &kernel_ladder::attention_forward_autograd>(m, "attention_forward",
+                                                                                 "attention_backward");
+}

@@ -1,0 +1,122 @@
+// What every level-5 host wrapper (the *_ops.cpp files) shares: the dtype switch, the argument checks,
+// the CPU/CUDA branch, and the registration of one op for every dispatch key. swish_ops.cpp spells all
+// of it out once, as the worked example; read it first.
+//
+// How a call travels, e.g. `y = layer_norm(x, weight, bias, eps)` with x requiring grad:
+//   Autograd key  -> our torch::autograd::Function (in C++: no Python on the way, forward or backward)
+//   CPU/CUDA key  -> the host wrapper: check, allocate, make contiguous, launch the kernel
+//   Meta key      -> the same host wrapper, which returns after allocating: torch.compile and
+//                    torch.library.opcheck trace shapes with it (SymInt sizes, so symbolic shapes work)
+//
+// Checks raise the Python exception a user expects: TORCH_CHECK_VALUE a ValueError (a shape, a size, a
+// device), TORCH_CHECK_TYPE a TypeError (a dtype). All of them run before anything is allocated or
+// launched, and none inside an OpenMP region: an exception must never cross a parallel region or leave
+// work queued on a stream behind it.
+//
+// KERNEL_LADDER_WITH_CUDA is defined by the loader only when it compiles the .cu files too; without it
+// these files need no CUDA header and link against PyTorch's CPU-only build.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#ifdef KERNEL_LADDER_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include <optional>
+#include <tuple>
+
+#include "kernels.h"
+
+namespace kernel_ladder {
+
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// The kernels' DType for x's dtype, if our kernels compute it on x's device. Half precision runs
+// everywhere but on the CPU: on CUDA, and on the Meta device, where torch.compile traces CUDA tensors.
+inline DType kernel_dtype(const char* op, const at::Tensor& x) {
+  const at::ScalarType type = x.scalar_type();
+  const bool ieee = type == at::kFloat || type == at::kDouble;
+  const bool half = type == at::kHalf || type == at::kBFloat16;
+  TORCH_CHECK_TYPE(ieee || (half && !x.is_cpu()), "cuda_kernels::", op, " got dtype ", type, " on ", x.device(),
+                   "; supported: ", x.is_cpu() ? "Float, Double (Half and BFloat16 on CUDA only)" : "Float, Double, Half, BFloat16");
+  switch (type) {
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default: return DType::Float32;
+  }
+}
+
+// LayerNorm's mean and rstd, attention's log-sum-exp and the backward's partial sums are kept in the
+// kernels' accumulator type.
+inline at::ScalarType statistics_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Every tensor argument: on x's device, of the expected dtype and shape. Sizes are SymInts, so that the
+// Meta kernel checks symbolic shapes too (on a real tensor a SymInt is a plain integer).
+inline void check_argument(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x, at::ScalarType dtype,
+                           c10::SymIntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), "cuda_kernels::", op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "cuda_kernels::", op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK_VALUE(t.sym_sizes() == shape, "cuda_kernels::", op, ": ", name, " has shape ", t.sym_sizes(), ", expected ", shape);
+}
+
+// Runs `cuda(stream)` for a CUDA tensor x, on x's GPU and its current stream, then checks the launch;
+// runs `cpu()` otherwise. (A CPU-only build registers no CUDA kernels, so no CUDA tensor gets here.)
+template <typename Cuda, typename Cpu>
+void run_on_device_of([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] Cuda&& cuda, Cpu&& cpu) {
+#ifdef KERNEL_LADDER_WITH_CUDA
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    cuda(static_cast<void*>(at::cuda::getCurrentCUDAStream(x.get_device()).stream()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+#endif
+  cpu();
+}
+
+// --- registration: what swish_ops.cpp writes out in full, as two calls ----------------------------------
+
+// The op `name` of our namespace, looked up in the dispatcher once (the first call) and kept. Calling
+// through it, rather than the wrapper directly, lets whatever sits below autograd see the op: the
+// Meta kernel under torch.compile, the profiler, a TorchDispatchMode.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
+}
+
+// One host wrapper serves every device: CPU, Meta (it returns after allocating the outputs) and, in a
+// CUDA build, CUDA.
+template <auto* kWrapper>
+void impl_on_every_device(torch::Library& m, const char* op) {
+  m.impl(op, torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kWrapper)));
+  m.impl(op, torch::dispatch(c10::DispatchKey::Meta, TORCH_FN(kWrapper)));
+#ifdef KERNEL_LADDER_WITH_CUDA
+  m.impl(op, torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(kWrapper)));
+#endif
+}
+
+// A differentiable op: `forward` and `backward` on every device, and `autograd` (which calls
+// torch::autograd::Function<...>::apply) for the Autograd key of every backend.
+template <auto* kForward, auto* kBackward, auto* kAutograd>
+void impl_differentiable(torch::Library& m, const char* forward, const char* backward) {
+  impl_on_every_device<kForward>(m, forward);
+  impl_on_every_device<kBackward>(m, backward);
+  m.impl(forward, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kAutograd)));
+}
+
+// `grad` if autograd asked for the gradient of the forward's `tensor_index`-th tensor input, else an
+// undefined tensor (None). The index counts tensors only: numbers and absent (None) tensors have no edge
+// in the graph.
+inline at::Tensor if_needed(torch::autograd::AutogradContext* ctx, size_t tensor_index, const at::Tensor& grad) {
+  return ctx->needs_input_grad(tensor_index) ? grad : at::Tensor();
+}
+
+}  // namespace kernel_ladder

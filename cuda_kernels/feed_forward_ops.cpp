@@ -1,0 +1,261 @@
+// Linear layers and GPT-2's feed-forward block as PyTorch ops: matmuls by cuBLAS, everything around them
+// ours (feed_forward.cu, feed_forward_cpu.cpp); the autograd formulas and the registration laid out as
+// swish_ops.cpp explains, with binding.h's helpers.
+//
+//   linear_forward(x, weight, bias?)                           -> y = x weight^T + bias
+//   linear_backward(grad_out, x, weight)                       -> (grad_x, grad_weight, grad_bias)
+//   feed_forward_forward(x, fc_weight, fc_bias?, proj_weight, proj_bias?)
+//                                                              -> (y, pre_activation, activation)
+//   feed_forward_backward(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
+//                                                              -> (grad_x, grad_fc_weight, grad_fc_bias,
+//                                                                  grad_proj_weight, grad_proj_bias)
+//
+// A matmul of these sizes is compute-bound, and cuBLAS's tensor-core GEMMs (MKL or oneDNN on the CPU) are
+// its ceiling: the issue lets level 5 call them through ATen. A bias goes in at::addmm, which hands a 1-D
+// bias to cuBLASLt's epilogue: added while the output tile is still in registers, for no extra pass over
+// memory. Our kernels do the memory-bound rest: GELU, its backward, the bias gradients. The feed-forward's
+// pre-activation h and activation a are outputs so that the backward can reuse them; autograd marks them
+// non-differentiable and the Python function returns y.
+// float32 stays IEEE float32: cuBLAS rounds inputs to TF32 only when the user allows it
+// (torch.backends.cuda.matmul.allow_tf32, or torch.set_float32_matmul_precision("high"); ATen reads it
+// as at::globalContext().allowTF32CuBLAS()). It is off by default and never set here, and F.linear at
+// levels 1-3 follows the same flag, so every level multiplies alike.
+//
+// Check
+//   python -m pytest tests -k "feed_forward and cuda"
+//   python -m pytest tests/test_kernel_ops.py -k "linear_and_feed_forward and cuda"
+#include "binding.h"
+
+namespace kernel_ladder {
+namespace {
+
+// x (rows, K) and an nn.Linear weight (N, K), of one dtype and device.
+void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight, const char* weight_name) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, features) matrix, got shape ", x.sym_sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "cuda_kernels::", op, ": ", weight_name,
+                    " must be an (out_features, in_features) matrix, got shape ", weight.sym_sizes());
+  TORCH_CHECK_VALUE(weight.sym_size(1) == x.sym_size(1), "cuda_kernels::", op, ": x has ", x.sym_size(1), " features but ",
+                    weight_name, " expects ", weight.sym_size(1));
+  check_argument(op, weight_name, weight, x, x.scalar_type(), weight.sym_sizes());
+}
+
+void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                const c10::SymInt& features) {
+  if (bias.has_value()) check_argument(op, name, *bias, x, x.scalar_type(), {features});
+}
+
+// x W^T (+ bias): the bias in cuBLAS's epilogue (see above).
+at::Tensor matmul_transposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+}
+
+// A bias gradient: the column sums (n,) of a contiguous (rows, n) matrix, made by `cuda(sums, workspace,
+// strips, stream)` or `cpu(sums)`. An empty matrix: zeros, and nothing launched.
+template <typename Cuda, typename Cpu>
+at::Tensor bias_gradient(DType dtype, const at::Tensor& matrix, Cuda&& cuda, Cpu&& cpu) {
+  const int64_t rows = matrix.size(0), n = matrix.size(1);
+  if (matrix.numel() == 0) return at::zeros({n}, matrix.options());
+  at::Tensor sums = at::empty({n}, matrix.options());
+  run_on_device_of(
+      matrix,
+      [&](void* stream) {
+        // The strips' partial sums, from PyTorch's caching allocator: freed when this returns, and reused
+        // only by work queued after ours on the same stream. One strip needs none.
+        const int64_t strips = column_sum_strips(dtype, rows, n);
+        at::Tensor workspace = at::empty({strips > 1 ? strips : 0, n}, matrix.options().dtype(statistics_dtype(matrix)));
+        cuda(sums.mutable_data_ptr(), workspace.mutable_data_ptr(), strips, stream);
+      },
+      [&] { cpu(sums.mutable_data_ptr()); });
+  return sums;
+}
+
+at::Tensor column_sums(DType dtype, const at::Tensor& matrix) {
+  const int64_t rows = matrix.size(0), n = matrix.size(1);
+  return bias_gradient(
+      dtype, matrix,
+      [&](void* sums, void* workspace, int64_t strips, void* stream) {
+        launch_column_sum(dtype, matrix.const_data_ptr(), sums, workspace, strips, rows, n, stream);
+      },
+      [&](void* sums) { column_sum_cpu(dtype, matrix.const_data_ptr(), sums, rows, n); });
+}
+
+// --- linear --------------------------------------------------------------------------------------------
+
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "linear_forward";
+  kernel_dtype(op, x);  // the level's dtypes, though only cuBLAS runs here: the backward's kernel must take them
+  check_linear(op, x, weight, "weight");
+  check_bias(op, "bias", bias, x, weight.sym_size(0));
+  if (x.is_meta()) return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
+  // ATen's matmuls take any strides (cuBLAS transposes for free): nothing to make contiguous here.
+  return matmul_transposed(x, weight, bias);
+}
+
+TensorTriple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "linear_backward";
+  const DType dtype = kernel_dtype(op, x);
+  check_linear(op, x, weight, "weight");
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), {x.sym_size(0), weight.sym_size(0)});
+  if (x.is_meta()) {
+    return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
+            at::empty_symint({weight.sym_size(0)}, weight.options())};
+  }
+  const at::Tensor dy = grad_out.contiguous();  // our column-sum kernel reads it linearly
+  // With no rows the two matmuls over rows give zeros, and column_sums launches nothing.
+  return {at::mm(dy, weight), at::mm(dy.t(), x), column_sums(dtype, dy)};
+}
+
+struct LinearFunction : public torch::autograd::Function<LinearFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(linear_forward)>("cuda_kernels::linear_forward");
+    ctx->save_for_backward({x, weight});  // the bias enters no gradient
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return op.call(x, weight, bias);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    static const auto op = find_op<decltype(linear_backward)>("cuda_kernels::linear_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_weight, grad_bias] = op.call(grad_outputs[0], saved[0], saved[1]);
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), has_bias ? if_needed(ctx, 2, grad_bias) : at::Tensor()};
+  }
+};
+
+at::Tensor linear_forward_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return LinearFunction::apply(x, weight, bias);
+}
+
+// --- the feed-forward block --------------------------------------------------------------------------------
+
+// x (rows, C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C.
+void check_feed_forward(const char* op, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight) {
+  check_linear(op, x, fc_weight, "fc_weight");
+  check_argument(op, "proj_weight", proj_weight, x, x.scalar_type(), {x.sym_size(1), fc_weight.sym_size(0)});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(const at::Tensor& x, const at::Tensor& fc_weight,
+                                                                    const std::optional<at::Tensor>& fc_bias,
+                                                                    const at::Tensor& proj_weight,
+                                                                    const std::optional<at::Tensor>& proj_bias) {
+  const char* op = "feed_forward_forward";
+  const DType dtype = kernel_dtype(op, x);
+  check_feed_forward(op, x, fc_weight, proj_weight);
+  // Both biases or neither, as GPT-2's `bias` flag sets them.
+  TORCH_CHECK_VALUE(fc_bias.has_value() == proj_bias.has_value(), "cuda_kernels::", op,
+                    ": give both biases or neither (fc_bias is ", fc_bias.has_value() ? "given" : "None",
+                    ", proj_bias is ", proj_bias.has_value() ? "given" : "None", ")");
+  check_bias(op, "fc_bias", fc_bias, x, fc_weight.sym_size(0));
+  check_bias(op, "proj_bias", proj_bias, x, x.sym_size(1));
+  if (x.is_meta()) {
+    at::Tensor pre_activation = at::empty_symint({x.sym_size(0), fc_weight.sym_size(0)}, x.options());
+    return {at::empty_symint(x.sym_sizes(), x.options()), pre_activation, at::empty_like(pre_activation)};
+  }
+  // h = x W_fc^T + b_fc, bias in the GEMM's epilogue: h is written once, by cuBLAS. (Adding b_fc in our
+  // GELU kernel instead would cost one more write of h.)
+  at::Tensor pre_activation = matmul_transposed(x, fc_weight, fc_bias);
+  at::Tensor activation = at::empty_like(pre_activation);
+  if (pre_activation.numel() > 0) {  // no 0-block launch
+    run_on_device_of(
+        x,
+        [&](void* stream) {
+          launch_gelu_forward(dtype, pre_activation.const_data_ptr(), activation.mutable_data_ptr(),
+                              pre_activation.numel(), stream);
+        },
+        [&] { gelu_forward_cpu(dtype, pre_activation.const_data_ptr(), activation.mutable_data_ptr(), pre_activation.numel()); });
+  }
+  return {matmul_transposed(activation, proj_weight, proj_bias), pre_activation, activation};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight,
+    const at::Tensor& pre_activation, const at::Tensor& activation) {
+  const char* op = "feed_forward_backward";
+  const DType dtype = kernel_dtype(op, x);
+  check_feed_forward(op, x, fc_weight, proj_weight);
+  const c10::SymInt rows = x.sym_size(0), hidden = fc_weight.sym_size(0);
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sym_sizes());
+  check_argument(op, "pre_activation", pre_activation, x, x.scalar_type(), {rows, hidden});
+  check_argument(op, "activation", activation, x, x.scalar_type(), {rows, hidden});
+  if (x.is_meta()) {
+    return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(fc_weight.sym_sizes(), x.options()),
+            at::empty_symint({hidden}, x.options()), at::empty_symint(proj_weight.sym_sizes(), x.options()),
+            at::empty_symint({x.sym_size(1)}, x.options())};
+  }
+  const at::Tensor dy = grad_out.contiguous(), h = pre_activation.contiguous();
+  // da = dy W_proj by cuBLAS (a fresh contiguous matrix); then our kernel turns it into dh = da * gelu'(h)
+  // in place, summing dh's columns (b_fc's gradient) in the same pass.
+  at::Tensor grad_hidden = at::mm(dy, proj_weight);
+  at::Tensor grad_fc_bias = bias_gradient(
+      dtype, grad_hidden,
+      [&](void* sums, void* workspace, int64_t strips, void* stream) {
+        launch_gelu_backward(dtype, grad_hidden.mutable_data_ptr(), h.const_data_ptr(), sums, workspace, strips,
+                             grad_hidden.size(0), grad_hidden.size(1), stream);
+      },
+      [&](void* sums) {
+        gelu_backward_cpu(dtype, grad_hidden.mutable_data_ptr(), h.const_data_ptr(), sums, grad_hidden.size(0),
+                          grad_hidden.size(1));
+      });
+  return {at::mm(grad_hidden, fc_weight), at::mm(grad_hidden.t(), x), grad_fc_bias, at::mm(dy.t(), activation),
+          column_sums(dtype, dy)};
+}
+
+struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& fc_weight, const std::optional<at::Tensor>& fc_bias,
+                                                const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(feed_forward_forward)>("cuda_kernels::feed_forward_forward");
+    auto [y, pre_activation, activation] = op.call(x, fc_weight, fc_bias, proj_weight, proj_bias);
+    // h for GELU's derivative, a for the gradient of W_proj; the biases enter no gradient.
+    ctx->save_for_backward({x, fc_weight, proj_weight, pre_activation, activation});
+    ctx->saved_data["has_bias"] = fc_bias.has_value();
+    ctx->mark_non_differentiable({pre_activation, activation});
+    ctx->set_materialize_grads(false);  // no (tokens, hidden) zero tensors for h's and a's absent gradients
+    return {y, pre_activation, activation};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    static const auto op = find_op<decltype(feed_forward_backward)>("cuda_kernels::feed_forward_backward");
+    const at::Tensor none;
+    if (!grad_outputs[0].defined()) return {none, none, none, none, none};
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias] =
+        op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4]);
+    // Tensor inputs in order: x, fc_weight, (fc_bias), proj_weight, (proj_bias).
+    if (ctx->saved_data["has_bias"].toBool()) {
+      return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_fc_weight), if_needed(ctx, 2, grad_fc_bias),
+              if_needed(ctx, 3, grad_proj_weight), if_needed(ctx, 4, grad_proj_bias)};
+    }
+    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_fc_weight), none, if_needed(ctx, 2, grad_proj_weight), none};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward_autograd(const at::Tensor& x, const at::Tensor& fc_weight,
+                                                                             const std::optional<at::Tensor>& fc_bias,
+                                                                             const at::Tensor& proj_weight,
+                                                                             const std::optional<at::Tensor>& proj_bias) {
+  const auto outputs = FeedForwardFunction::apply(x, fc_weight, fc_bias, proj_weight, proj_bias);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+}  // namespace
+}  // namespace kernel_ladder
+
+TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
+  m.def("linear_forward(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_backward(Tensor grad_out, Tensor x, Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("feed_forward_forward(Tensor x, Tensor fc_weight, Tensor? fc_bias, Tensor proj_weight, Tensor? proj_bias) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("feed_forward_backward(Tensor grad_out, Tensor x, Tensor fc_weight, Tensor proj_weight, Tensor pre_activation, "
+        "Tensor activation) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  kernel_ladder::impl_differentiable<&kernel_ladder::linear_forward, &kernel_ladder::linear_backward,
+                                     &kernel_ladder::linear_forward_autograd>(m, "linear_forward", "linear_backward");
+  kernel_ladder::impl_differentiable<&kernel_ladder::feed_forward_forward, &kernel_ladder::feed_forward_backward,
+                                     &kernel_ladder::feed_forward_forward_autograd>(m, "feed_forward_forward",
+                                                                                    "feed_forward_backward");
+}

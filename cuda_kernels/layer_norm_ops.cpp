@@ -1,0 +1,128 @@
+// LayerNorm as a PyTorch op: the host wrappers around layer_norm.cu and layer_norm_cpu.cpp, the autograd
+// formula, and the registration (laid out as swish_ops.cpp explains, with binding.h's helpers).
+//
+//   layer_norm_forward(x, weight, bias, eps)              -> (y, mean, rstd)
+//   layer_norm_backward(grad_out, x, weight, mean, rstd)  -> (grad_x, grad_weight, grad_bias)
+//
+// x is a (rows, n) matrix, weight and bias n-vectors. mean and rstd (reciprocal standard deviation, one
+// per row, in the accumulator type) are outputs so that the backward can reuse them instead of
+// reducing each row again; autograd marks them non-differentiable and the Python function returns y.
+//
+// Check
+//   python -m pytest tests -k "layer_norm and cuda"
+#include "binding.h"
+
+namespace kernel_ladder {
+namespace {
+
+// x of LayerNorm: a (rows, n) matrix with n >= 1 (a row of no elements has no mean).
+void check_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, N) matrix, got shape ", x.sym_sizes());
+  TORCH_CHECK_VALUE(x.sym_size(1) >= 1, "cuda_kernels::", op, ": rows of 0 elements have no mean (x has shape ",
+                    x.sym_sizes(), ")");
+  TORCH_CHECK_VALUE(x.sym_size(0) < (int64_t{1} << 31), "cuda_kernels::", op,
+                    ": at most 2^31 - 1 rows (one CUDA block each), got ", x.sym_size(0));
+}
+
+TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  const char* op = "layer_norm_forward";
+  check_rows(op, x);
+  const DType dtype = kernel_dtype(op, x);
+  const c10::SymInt rows = x.sym_size(0), n = x.sym_size(1);
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  check_argument(op, "bias", bias, x, x.scalar_type(), {n});
+  at::Tensor y = at::empty_symint(x.sym_sizes(), x.options());
+  at::Tensor mean = at::empty_symint({rows}, x.options().dtype(statistics_dtype(x)));
+  at::Tensor rstd = at::empty_symint({rows}, mean.options());
+  if (x.is_meta() || x.numel() == 0) return {y, mean, rstd};
+  const at::Tensor input = x.contiguous(), w = weight.contiguous(), b = bias.contiguous();
+  run_on_device_of(
+      input,
+      [&](void* stream) {
+        launch_layer_norm_forward(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(),
+                                  y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(), input.size(0),
+                                  input.size(1), eps, stream);
+      },
+      [&] {
+        layer_norm_forward_cpu(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(), y.mutable_data_ptr(),
+                               mean.mutable_data_ptr(), rstd.mutable_data_ptr(), input.size(0), input.size(1), eps);
+      });
+  return {y, mean, rstd};
+}
+
+TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "layer_norm_backward";
+  check_rows(op, x);
+  const DType dtype = kernel_dtype(op, x);
+  const c10::SymInt rows = x.sym_size(0), n = x.sym_size(1);
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sym_sizes());
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  check_argument(op, "mean", mean, x, statistics_dtype(x), {rows});
+  check_argument(op, "rstd", rstd, x, statistics_dtype(x), {rows});
+  at::Tensor grad_x = at::empty_symint(x.sym_sizes(), x.options());
+  at::Tensor grad_weight = at::empty_symint({n}, weight.options());
+  at::Tensor grad_bias = at::empty_symint({n}, weight.options());
+  if (x.is_meta()) return {grad_x, grad_weight, grad_bias};
+  if (x.numel() == 0) return {grad_x, grad_weight.zero_(), grad_bias.zero_()};  // no rows: nothing to sum
+  const at::Tensor dy = grad_out.contiguous(), input = x.contiguous(), w = weight.contiguous();
+  const at::Tensor mu = mean.contiguous(), r = rstd.contiguous();
+  run_on_device_of(
+      input,
+      [&](void* stream) {
+        // Scratch for the per-block partial dw and db rows, from PyTorch's caching allocator: freed
+        // when this returns, and reused only by work queued after ours on the same stream.
+        const int64_t partial_rows = layer_norm_backward_partial_rows(dtype, input.size(0), input.size(1));
+        at::Tensor workspace = at::empty({2, partial_rows, input.size(1)}, x.options().dtype(statistics_dtype(x)));
+        launch_layer_norm_backward(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(),
+                                   mu.const_data_ptr(), r.const_data_ptr(), grad_x.mutable_data_ptr(),
+                                   grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
+                                   workspace.mutable_data_ptr(), partial_rows, input.size(0), input.size(1), stream);
+      },
+      [&] {
+        layer_norm_backward_cpu(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(), mu.const_data_ptr(),
+                                r.const_data_ptr(), grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
+                                grad_bias.mutable_data_ptr(), input.size(0), input.size(1));
+      });
+  return {grad_x, grad_weight, grad_bias};
+}
+
+struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& weight, const at::Tensor& bias, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(layer_norm_forward)>("cuda_kernels::layer_norm_forward");
+    const at::Tensor input = x.contiguous();
+    auto [y, mean, rstd] = op.call(input, weight, bias, eps);
+    ctx->save_for_backward({input, weight, mean, rstd});  // the bias enters no gradient
+    ctx->mark_non_differentiable({mean, rstd});
+    // No zero tensors for the statistics' (always absent) gradients.
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    static const auto op = find_op<decltype(layer_norm_backward)>("cuda_kernels::layer_norm_backward");
+    if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_weight, grad_bias] = op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3]);
+    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), if_needed(ctx, 2, grad_bias), at::Tensor()};
+  }
+};
+
+TensorTriple layer_norm_forward_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  const auto outputs = LayerNormFunction::apply(x, weight, bias, eps);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+}  // namespace
+}  // namespace kernel_ladder
+
+TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
+  m.def("layer_norm_forward(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("layer_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  kernel_ladder::impl_differentiable<&kernel_ladder::layer_norm_forward, &kernel_ladder::layer_norm_backward,
+                                     &kernel_ladder::layer_norm_forward_autograd>(m, "layer_norm_forward",
+                                                                                  "layer_norm_backward");
+}
