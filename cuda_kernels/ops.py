@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,34 +74,44 @@ def _why_no_cuda() -> str | None:
 
 
 def _cxx_compiler_for_the_extension() -> tuple[str, str | None]:
-    """The C++ compiler to link the extension with, and why it is not $CXX (None if it is).
+    """The C++ compiler to build the extension with, and why it is not $CXX (None if it is).
 
-    PyTorch links the extension with $CXX (default ``c++``). Some toolchain wrappers link libstdc++
-    statically into every shared library. The extension would then carry a second copy of the C++
-    runtime, beside the one PyTorch already loaded, whose iostreams were never initialised: the first
-    error message that formats a number (every TORCH_CHECK with a shape in it) crashes the process
-    instead of raising. Seen on this project's H100 machine (CXX=/opt/gcc/bin/g++). We ask the driver
-    for its link line (``-###`` prints it without running anything) and fall back to ``c++`` on PATH."""
-    requested = os.environ.get("CXX", "c++")
-    if not _links_libstdcxx_statically(requested):
-        return requested, None
+    PyTorch links the extension with $CXX (default ``c++``), and the extension must use the shared C++
+    runtime (libstdc++.so or libc++), the one PyTorch itself loaded. A toolchain that links libstdc++
+    statically (say, a wrapper whose library folders hold libstdc++.a but no libstdc++.so, so the
+    linker takes the archive) leaves the extension with runtime code of its own whose iostreams were
+    never initialised: the first error message that formats a number (every TORCH_CHECK with a shape
+    in it) then crashes the process instead of raising. Seen on this project's H100 machine, whose
+    CXX is such a wrapper. So a $CXX other than the default is tried on a two-line library first, and
+    ``c++`` from PATH is used when it fails."""
+    requested = os.environ.get("CXX")
+    if requested is None or _links_the_shared_cxx_runtime(requested):
+        return requested or "c++", None
     fallback = shutil.which("c++") or shutil.which("g++")
-    if fallback is None or _links_libstdcxx_statically(fallback):
+    if fallback is None or not _links_the_shared_cxx_runtime(fallback):
         raise LevelUnavailableError(
-            f"CXX={requested} links libstdc++ statically into shared libraries, and no other C++ compiler "
-            "on PATH links it dynamically: the extension would crash on its first error message. Set CXX "
-            "to a compiler that links the shared libstdc++ (e.g. the system g++)")
-    return fallback, f"CXX={requested} links libstdc++ statically (a second C++ runtime would crash on the first error message); using {fallback}"
+            f"CXX={requested} links no shared C++ runtime into a shared library, and no c++ on PATH does: the "
+            "extension would crash on its first error message. Set CXX to a compiler that links libstdc++.so")
+    return fallback, (f"CXX={requested} links no shared C++ runtime into a shared library (the extension would "
+                      f"crash on its first error message); building with {fallback}")
 
 
-def _links_libstdcxx_statically(compiler: str) -> bool:
-    try:
-        plan = subprocess.run([compiler, "-###", "-shared", "-x", "none", os.devnull, "-o", os.devnull],
-                              capture_output=True, text=True, timeout=30).stderr
-    except (OSError, subprocess.SubprocessError):
-        return False  # not a gcc-like driver we can ask; PyTorch's own build will say what is wrong
-    words = plan.replace('"', " ").split()
-    return "libstdc++.a" in plan or any(a == "-Bstatic" and b == "-lstdc++" for a, b in zip(words, words[1:]))
+def _links_the_shared_cxx_runtime(compiler: str) -> bool:
+    """Build a library that formats a number, as TORCH_CHECK does, and look for the shared runtime among
+    what it needs (the dynamic section names it; a static copy leaves no such name)."""
+    with tempfile.TemporaryDirectory() as folder:
+        source, library = Path(folder) / "probe.cpp", Path(folder) / "probe.so"
+        source.write_text("#include <sstream>\n#include <string>\n"
+                          "std::string format(long n) { std::ostringstream s; s << n; return s.str(); }\n")
+        try:
+            built = subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)],
+                                   capture_output=True, timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            built = False
+        if not built:
+            return True  # not a compiler that builds this: PyTorch's build will say what is wrong with it
+        contents = library.read_bytes()
+        return b"libstdc++.so" in contents or b"libc++.so" in contents or b"libc++.1.dylib" in contents
 
 
 def _say(message: str) -> None:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -263,6 +265,11 @@ def run_tests(part: str, out: Path) -> int:
     """pytest over tests/ (the notebooks are CPU lessons, checked by CI), log under ``out``."""
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rfs",
                "-m", TEST_SELECTIONS[part]]
+    if importlib.util.find_spec("xdist") is not None:
+        # Most GPU tests are small and host-bound (compiles, launches, checks): eight processes share
+        # the GPU well. The extension is built first, once, so the workers only load it.
+        importlib.import_module("cuda_kernels.ops")
+        command += ["-n", str(min(8, os.cpu_count() or 1))]
     log_path = out / f"pytest-{part}.log"
     with open(log_path, "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -114,17 +114,23 @@ def test_every_op_passes_opcheck(level, device):
         torch.library.opcheck(op, args)
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a gcc-like c++ driver")
-def test_a_compiler_that_links_libstdcxx_statically_is_not_used_for_the_extension(tmp_path, monkeypatch):
-    # A second, uninitialised C++ runtime inside the extension crashed the process at the first
-    # TORCH_CHECK message on the H100 machine, whose CXX wrapper linked libstdc++ statically.
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("gcc") is None, reason="needs gcc's drivers")
+@pytest.mark.parametrize("wrapper", [
+    '#!/bin/sh\nexec {cxx} -static-libstdc++ "$@"\n',   # copies libstdc++ in
+    '#!/bin/sh\nexec {gcc} "$@"\n',                       # links as C: no C++ runtime at all
+])
+def test_a_compiler_that_does_not_link_the_shared_cxx_runtime_is_not_used(wrapper, tmp_path, monkeypatch):
+    # Either way the extension carried C++ runtime code of its own, never initialised, and the first
+    # TORCH_CHECK message crashed the process (seen on the H100 machine).
     from cuda_kernels import ops
 
-    wrapper = tmp_path / "g++-static"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("c++")} -static-libstdc++ "$@"\n')
-    wrapper.chmod(0o755)
-    assert ops._links_libstdcxx_statically(str(wrapper))
-    assert not ops._links_libstdcxx_statically(shutil.which("c++"))
-    monkeypatch.setenv("CXX", str(wrapper))
+    script = tmp_path / "cxx-wrapper"
+    script.write_text(wrapper.format(cxx=shutil.which("c++"), gcc=shutil.which("gcc")))
+    script.chmod(0o755)
+    assert not ops._links_the_shared_cxx_runtime(str(script))
+    assert ops._links_the_shared_cxx_runtime(shutil.which("c++"))
+    monkeypatch.setenv("CXX", str(script))
     compiler, why = ops._cxx_compiler_for_the_extension()
-    assert compiler != str(wrapper) and "statically" in why
+    assert compiler != str(script) and "shared C++ runtime" in why
+    monkeypatch.delenv("CXX")
+    assert ops._cxx_compiler_for_the_extension() == ("c++", None)
