@@ -68,7 +68,6 @@ class AttentionSpec(ComponentSpec):
     """
 
     component = "attention"
-    compute_bound = True
     default_shapes = {"cuda": (4, 16, 4096, 128), "cpu": (1, 2, 128, 64)}
 
     def __init__(self, causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None):

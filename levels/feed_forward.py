@@ -55,7 +55,6 @@ class FeedForwardSpec(ComponentSpec):
     """
 
     component = "feed_forward"
-    compute_bound = True
     # (batch, tokens, n_embd): the issue's 8 × 1024 tokens at GPT-2-small width; a small one on the CPU.
     default_shapes = {"cuda": (8, 1024, 768), "cpu": (2, 64, 128)}
 

@@ -46,7 +46,6 @@ class GPTSpec(ComponentSpec):
     """
 
     component = "gpt"
-    compute_bound = True
     default_shapes = {"cuda": (8, 1024), "cpu": (2, 32)}
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,

@@ -63,7 +63,6 @@ class SelfAttentionSpec(ComponentSpec):
     """
 
     component = "self_attention"
-    compute_bound = True
     default_shapes = {"cuda": (8, 1024, 768), "cpu": (2, 64, 128)}
 
     def __init__(self, n_embd: int, n_head: int, window: Optional[int] = None):

@@ -129,7 +129,6 @@ class ComponentSpec(nn.Module):
 
     component: ClassVar[str] = ""
     level: ClassVar[str] = ""
-    compute_bound: ClassVar[bool] = False  # judged against matrix throughput, not only copy bandwidth
     # The input shape a comparison uses when none is given: on a GPU large enough to fill an H100 and
     # leave its 50 MB L2 behind; on the CPU small enough for Triton's interpreter (level 4) to take seconds.
     default_shapes: ClassVar[dict[str, tuple[int, ...]]] = {"cuda": (8192, 8192), "cpu": (256, 1024)}

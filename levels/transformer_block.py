@@ -34,7 +34,6 @@ class TransformerBlockSpec(ComponentSpec):
     """
 
     component = "transformer_block"
-    compute_bound = True
     default_shapes = SelfAttentionSpec.default_shapes
 
     def __init__(self, n_embd: int, n_head: int, window: Optional[int] = None):
