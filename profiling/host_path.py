@@ -21,16 +21,7 @@ import torch
 
 import levels
 
-# component, build config, input shapes: one call at GPT-2-small decode sizes (batch 1, 8 tokens,
-# width 768, 12 heads of 64; attention: one query against 64 keys).
-DECODE_CASES = [
-    ("swish", {}, [(8, 768)]),
-    ("layer_norm", {"normalized_shape": 768}, [(8, 768)]),
-    ("softmax", {}, [(8, 1024)]),
-    ("attention", {"causal": True}, [(1, 12, 1, 64), (1, 12, 64, 64), (1, 12, 64, 64)]),
-    ("feed_forward", {"n_embd": 768}, [(1, 8, 768)]),
-]
-
+from .overhead import DECODE_CASES
 
 @contextlib.contextmanager
 def launches_stubbed():
@@ -64,14 +55,15 @@ def _best_us(function, iterations: int, batch: int = 20) -> float:
 def host_path_table(iterations: int = 2000, device: str = "cpu", dtype=torch.float32) -> list[tuple[str, float, float]]:
     """(component, forward µs, forward+backward µs) of level 4 with its launches stubbed."""
     rows = []
-    for component, config, shapes in DECODE_CASES:
+    for component, shape, config in DECODE_CASES.values():  # the cases profiling.call_overhead times on a GPU
+        config = config if config is not None else levels.level_class(component, "native").config_for_shape(shape)
         module = levels.build(component, "triton", **config).to(device=device, dtype=dtype)
-        inputs = [torch.randn(shape, device=device, dtype=dtype) for shape in shapes]
+        inputs = module.example_inputs(shape, dtype, device)
         leaves = [x.clone().requires_grad_() for x in inputs]
         with launches_stubbed():
             with torch.no_grad():
                 forward = _best_us(lambda: module(*inputs), iterations)
-            grad = torch.ones(shapes[0], device=device, dtype=dtype)
+            grad = torch.ones_like(inputs[0])  # every decode case's output has its first input's shape
 
             def forward_backward():
                 # Gradients land in fresh .grad tensors, not added to old ones (whose stubbed, never-written
