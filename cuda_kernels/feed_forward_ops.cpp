@@ -11,8 +11,8 @@
 //                                                                  grad_proj_weight, grad_proj_bias)
 //
 // A matmul of these sizes is compute-bound, and cuBLAS's tensor-core GEMMs (MKL or oneDNN on the CPU) are
-// its ceiling: the issue lets level 5 call them through ATen. A bias goes in at::addmm, which hands a 1-D
-// bias to cuBLASLt's epilogue: added while the output tile is still in registers, for no extra pass over
+// its ceiling, so level 5 calls them through ATen. A bias goes in at::addmm, which hands a 1-D bias to
+// cuBLASLt's epilogue: added while the output tile is still in registers, for no extra pass over
 // memory. Our kernels do the memory-bound rest: GELU, its backward, the bias gradients. The feed-forward's
 // pre-activation h and activation a are outputs so that the backward can reuse them; autograd marks them
 // non-differentiable and the Python function returns y.

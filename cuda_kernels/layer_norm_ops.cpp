@@ -4,9 +4,12 @@
 //   layer_norm_forward(x, weight, bias, eps)              -> (y, mean, rstd)
 //   layer_norm_backward(grad_out, x, weight, mean, rstd)  -> (grad_x, grad_weight, grad_bias)
 //
-// x is a (rows, n) matrix, weight and bias n-vectors. mean and rstd (reciprocal standard deviation, one
-// per row, in the accumulator type) are outputs so that the backward can reuse them instead of
-// reducing each row again; autograd marks them non-differentiable and the Python function returns y.
+// x is any contiguous tensor (..., n), normalised over its last dim: its leading dims are the rows, so a
+// caller with a (batch, tokens, n) activation passes it as it is, with no view in between (each view is
+// a tensor object and an autograd node, microseconds a call at decode sizes). weight and bias are
+// n-vectors. mean and rstd (reciprocal standard deviation, one per row, in the accumulator type) are
+// outputs so that the backward can reuse them instead of reducing each row again; autograd marks them
+// non-differentiable and the Python function returns y.
 //
 // Check
 //   python -m pytest tests -k "layer_norm and cuda"
@@ -15,20 +18,19 @@
 namespace kernel_ladder {
 namespace {
 
-// x of LayerNorm: a (rows, n) matrix with n >= 1 (a row of no elements has no mean).
-void check_rows(const char* op, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, N) matrix, got shape ", x.sym_sizes());
-  TORCH_CHECK_VALUE(x.sym_size(1) >= 1, "cuda_kernels::", op, ": rows of 0 elements have no mean (x has shape ",
+// x of LayerNorm: (..., n) with n >= 1 (a row of no elements has no mean); returns (rows, n).
+std::pair<c10::SymInt, c10::SymInt> check_rows(const char* op, const at::Tensor& x) {
+  const c10::SymInt rows = leading_rows(op, x);
+  TORCH_CHECK_VALUE(x.sym_size(-1) >= 1, "cuda_kernels::", op, ": rows of 0 elements have no mean (x has shape ",
                     x.sym_sizes(), ")");
-  TORCH_CHECK_VALUE(x.sym_size(0) < (int64_t{1} << 31), "cuda_kernels::", op,
-                    ": at most 2^31 - 1 rows (one CUDA block each), got ", x.sym_size(0));
+  return {rows, x.sym_size(-1)};
 }
 
 TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   const char* op = "layer_norm_forward";
-  check_rows(op, x);
+  const auto shape = check_rows(op, x);
+  const c10::SymInt rows = shape.first, n = shape.second;
   const DType dtype = kernel_dtype(op, x);
-  const c10::SymInt rows = x.sym_size(0), n = x.sym_size(1);
   check_argument(op, "weight", weight, x, x.scalar_type(), {n});
   check_argument(op, "bias", bias, x, x.scalar_type(), {n});
   at::Tensor y = at::empty_symint(x.sym_sizes(), x.options());
@@ -40,12 +42,12 @@ TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, c
       input,
       [&](void* stream) {
         launch_layer_norm_forward(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(),
-                                  y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(), input.size(0),
-                                  input.size(1), eps, stream);
+                                  y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(),
+                                  rows.expect_int(), n.expect_int(), eps, stream);
       },
       [&] {
         layer_norm_forward_cpu(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(), y.mutable_data_ptr(),
-                               mean.mutable_data_ptr(), rstd.mutable_data_ptr(), input.size(0), input.size(1), eps);
+                               mean.mutable_data_ptr(), rstd.mutable_data_ptr(), rows.expect_int(), n.expect_int(), eps);
       });
   return {y, mean, rstd};
 }
@@ -53,9 +55,9 @@ TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, c
 TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
                                  const at::Tensor& mean, const at::Tensor& rstd) {
   const char* op = "layer_norm_backward";
-  check_rows(op, x);
+  const auto shape = check_rows(op, x);
+  const c10::SymInt rows = shape.first, n = shape.second;
   const DType dtype = kernel_dtype(op, x);
-  const c10::SymInt rows = x.sym_size(0), n = x.sym_size(1);
   check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sym_sizes());
   check_argument(op, "weight", weight, x, x.scalar_type(), {n});
   check_argument(op, "mean", mean, x, statistics_dtype(x), {rows});
@@ -72,17 +74,17 @@ TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x
       [&](void* stream) {
         // Scratch for the per-block partial dw and db rows, from PyTorch's caching allocator: freed
         // when this returns, and reused only by work queued after ours on the same stream.
-        const int64_t partial_rows = layer_norm_backward_partial_rows(dtype, input.size(0), input.size(1));
-        at::Tensor workspace = at::empty({2, partial_rows, input.size(1)}, x.options().dtype(statistics_dtype(x)));
+        const int64_t partial_rows = layer_norm_backward_partial_rows(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor workspace = at::empty({2, partial_rows, n.expect_int()}, x.options().dtype(statistics_dtype(x)));
         launch_layer_norm_backward(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(),
                                    mu.const_data_ptr(), r.const_data_ptr(), grad_x.mutable_data_ptr(),
                                    grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
-                                   workspace.mutable_data_ptr(), partial_rows, input.size(0), input.size(1), stream);
+                                   workspace.mutable_data_ptr(), partial_rows, rows.expect_int(), n.expect_int(), stream);
       },
       [&] {
         layer_norm_backward_cpu(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(), mu.const_data_ptr(),
                                 r.const_data_ptr(), grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
-                                grad_bias.mutable_data_ptr(), input.size(0), input.size(1));
+                                grad_bias.mutable_data_ptr(), rows.expect_int(), n.expect_int());
       });
   return {grad_x, grad_weight, grad_bias};
 }

@@ -1,8 +1,8 @@
 """Level 5: hand-written CUDA kernels and their C++ CPU twins, registered as ``torch.ops.cuda_kernels``.
 
     swish(x, beta)                            -> y  (swish.cu,      swish_cpu.cpp,      swish_ops.cpp)
-    layer_norm(x2d, weight, bias, eps)        -> y  (layer_norm.cu, layer_norm_cpu.cpp, layer_norm_ops.cpp)
-    softmax(x2d)                              -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
+    layer_norm(x, weight, bias, eps)          -> y  (layer_norm.cu, layer_norm_cpu.cpp, layer_norm_ops.cpp)
+    softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
                                                      attention_cpu.cpp, attention_ops.cpp)
     linear(x2d, weight, bias)                 -> y  (cuBLAS through ATen; the bias gradient in
@@ -207,13 +207,13 @@ def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm of each row of the (rows, N) matrix ``x`` by our kernels, differentiable; returns only
+    """LayerNorm over the last dim of ``x`` (..., N) by our kernels, differentiable; returns only
     the output (the saved mean and rstd stay inside the autograd graph)."""
     return _layer_norm_forward(x, weight, bias, eps)[0]
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    """softmax of each row of the (rows, N) matrix ``x`` by our kernels, differentiable."""
+    """softmax over the last dim of ``x`` (..., N) by our kernels, differentiable."""
     return _softmax_forward(x)
 
 

@@ -1,7 +1,7 @@
 // Softmax as a PyTorch op: the host wrappers around softmax.cu and softmax_cpu.cpp, the autograd
 // formula, and the registration (laid out as swish_ops.cpp explains, with binding.h's helpers).
 //
-//   softmax_forward(x)            -> y        over each row of the (rows, n) matrix x
+//   softmax_forward(x)            -> y        over the last dim of x (..., n): each row of n
 //   softmax_backward(grad_out, y) -> grad_x   = y * (grad_out - sum(grad_out * y)) row by row
 //
 // The backward needs y, not x: autograd saves the output. Rows of 0 elements give empty outputs.
@@ -13,45 +13,40 @@
 namespace kernel_ladder {
 namespace {
 
-void check_softmax_rows(const char* op, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, N) matrix, got shape ", x.sym_sizes());
-  TORCH_CHECK_VALUE(x.sym_size(0) < (int64_t{1} << 31), "cuda_kernels::", op,
-                    ": at most 2^31 - 1 rows (one CUDA block each), got ", x.sym_size(0));
-}
-
 at::Tensor softmax_forward(const at::Tensor& x) {
   const char* op = "softmax_forward";
-  check_softmax_rows(op, x);
+  const c10::SymInt rows = leading_rows(op, x);
   const DType dtype = kernel_dtype(op, x);
   at::Tensor y = at::empty_symint(x.sym_sizes(), x.options());
   if (x.is_meta() || x.numel() == 0) return y;
   const at::Tensor input = x.contiguous();
+  const int64_t row_count = rows.expect_int(), n = x.size(-1);
   run_on_device_of(
       input,
       [&](void* stream) {
-        launch_softmax_forward(dtype, input.const_data_ptr(), y.mutable_data_ptr(), input.size(0), input.size(1), stream);
+        launch_softmax_forward(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n, stream);
       },
-      [&] { softmax_forward_cpu(dtype, input.const_data_ptr(), y.mutable_data_ptr(), input.size(0), input.size(1)); });
+      [&] { softmax_forward_cpu(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n); });
   return y;
 }
 
 at::Tensor softmax_backward(const at::Tensor& grad_out, const at::Tensor& y) {
   const char* op = "softmax_backward";
-  check_softmax_rows(op, y);
+  const c10::SymInt rows = leading_rows(op, y);
   const DType dtype = kernel_dtype(op, y);
   check_argument(op, "grad_out", grad_out, y, y.scalar_type(), y.sym_sizes());
   at::Tensor grad_x = at::empty_symint(y.sym_sizes(), y.options());
   if (y.is_meta() || y.numel() == 0) return grad_x;
   const at::Tensor dy = grad_out.contiguous(), probabilities = y.contiguous();
-  const int64_t rows = y.size(0), n = y.size(1);
+  const int64_t row_count = rows.expect_int(), n = y.size(-1);
   run_on_device_of(
       probabilities,
       [&](void* stream) {
-        launch_softmax_backward(dtype, dy.const_data_ptr(), probabilities.const_data_ptr(), grad_x.mutable_data_ptr(), rows,
+        launch_softmax_backward(dtype, dy.const_data_ptr(), probabilities.const_data_ptr(), grad_x.mutable_data_ptr(), row_count,
                                 n, stream);
       },
       [&] {
-        softmax_backward_cpu(dtype, dy.const_data_ptr(), probabilities.const_data_ptr(), grad_x.mutable_data_ptr(), rows, n);
+        softmax_backward_cpu(dtype, dy.const_data_ptr(), probabilities.const_data_ptr(), grad_x.mutable_data_ptr(), row_count, n);
       });
   return grad_x;
 }

@@ -55,7 +55,7 @@ class FeedForwardSpec(ComponentSpec):
     """
 
     component = "feed_forward"
-    # (batch, tokens, n_embd): the issue's 8 × 1024 tokens at GPT-2-small width; a small one on the CPU.
+    # (batch, tokens, n_embd): a GPT-2 small training batch of 8 × 1024 tokens; a small one on the CPU.
     default_shapes = {"cuda": (8, 1024, 768), "cpu": (2, 64, 128)}
 
     def __init__(self, n_embd: int, hidden: Optional[int] = None, bias: bool = True):

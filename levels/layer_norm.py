@@ -147,13 +147,19 @@ class LayerNormCompiled(LayerNormSpec):
 
 
 class _LayerNormKernel(LayerNormSpec):
-    """Levels 4 and 5 see the input as a contiguous (rows, N) matrix and the parameters as N-vectors;
+    """Levels 4 and 5 normalise over the last dim of x as it comes, (..., N): the kernels treat its
+    leading dims as rows, so the usual one-dim ``normalized_shape`` costs no view of x, the
+    parameters or the output (each a tensor object and an autograd node: at decode sizes, microseconds
+    as long as the kernel). A ``normalized_shape`` of several dims is flattened into one row of N.
     ``backend`` is set by each level."""
 
     def compute(self, x):
+        x = x.contiguous()  # the kernels index rows linearly: a non-contiguous x is copied, once
+        if len(self.normalized_shape) == 1:
+            return self.backend().layer_norm(x, self.weight, self.bias, self.eps)
         row_length = self.weight.numel()
-        rows = x.contiguous().view(-1, row_length)
-        out = self.backend().layer_norm(rows, self.weight.reshape(row_length), self.bias.reshape(row_length), self.eps)
+        out = self.backend().layer_norm(x.view(-1, row_length), self.weight.view(row_length),
+                                        self.bias.view(row_length), self.eps)
         return out.view(x.shape)
 
 

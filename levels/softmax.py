@@ -11,7 +11,6 @@ is built on.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
@@ -119,14 +118,15 @@ class SoftmaxCompiled(SoftmaxSpec):
 
 
 class _SoftmaxKernel(SoftmaxSpec):
-    """Levels 4 and 5 normalise contiguous rows: move ``dim`` last, view as (rows, N); ``backend`` is
-    set by each level."""
+    """Levels 4 and 5 normalise over the last dim of x as it comes, (..., N): the kernels treat its
+    leading dims as rows, so softmax over the last dim costs no view (each a tensor object and an
+    autograd node: at decode sizes, microseconds as long as the kernel). Another ``dim`` is moved last
+    and copied once, on purpose. ``backend`` is set by each level."""
 
     def compute(self, x):
-        moved = x.movedim(self.dim, -1)
-        rows = moved.contiguous().view(math.prod(moved.shape[:-1]), moved.shape[-1])
-        out = self.backend().softmax(rows)
-        return out.view(moved.shape).movedim(-1, self.dim)
+        if self.dim in (-1, x.dim() - 1):
+            return self.backend().softmax(x.contiguous())  # a non-contiguous x is copied, once
+        return self.backend().softmax(x.movedim(self.dim, -1).contiguous()).movedim(-1, self.dim)
 
 
 class SoftmaxTriton(_SoftmaxKernel):

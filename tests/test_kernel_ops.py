@@ -92,6 +92,11 @@ def op_samples(namespace, device, dtype):
         ("layer_norm_backward", (grad, x, weight, mean, rstd)),
         ("softmax_forward", (x.clone().requires_grad_(True),)),
         ("softmax_backward", (grad, torch.softmax(x, -1))),
+        # The row-wise ops take x as it comes, (..., N): its leading dims are the rows.
+        ("layer_norm_forward", (x.view(2, 3, 37).clone().requires_grad_(True), weight, bias, 1e-5)),
+        ("layer_norm_backward", (grad.view(2, 3, 37), x.view(2, 3, 37), weight, mean, rstd)),
+        ("softmax_forward", (x.view(3, 2, 37).clone().requires_grad_(True),)),
+        ("softmax_backward", (grad.view(3, 2, 37), torch.softmax(x, -1).view(3, 2, 37))),
         ("attention_forward", (q.clone().requires_grad_(True), k.clone().requires_grad_(True),
                                v.clone().requires_grad_(True), *attention_args)),
         ("attention_backward", (attention_grad, q, k, v, out, log_sum_exp, *attention_args)),

@@ -1,8 +1,8 @@
 """Level 4: hand-written Triton kernels, forward and backward, registered as ``torch.ops.triton_kernels``.
 
     swish(x, beta)                             -> y     (triton_kernels/swish.py)
-    layer_norm(x2d, weight, bias, eps)         -> y     (triton_kernels/layer_norm.py)
-    softmax(x2d)                               -> y     (triton_kernels/softmax.py)
+    layer_norm(x, weight, bias, eps)           -> y     (triton_kernels/layer_norm.py)
+    softmax(x)                                 -> y     (triton_kernels/softmax.py)
     attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
                                                          kernels in attention_forward.py, attention_backward.py)
     linear(x2d, weight, bias)                  -> y     (triton_kernels/feed_forward.py: matmul with a fused

@@ -112,6 +112,16 @@ def persistent_program_count(tensor: torch.Tensor, work_items: int, programs_per
     return max(1, min(work_items, slots))
 
 
+def row_matrix(op: str, x: torch.Tensor) -> tuple[int, int]:
+    """(rows, N) of a contiguous x of shape (..., N), which a row-wise kernel (LayerNorm, softmax) walks
+    as a (rows, N) matrix: its leading dims are the rows. Taking x as it comes spares every caller a
+    view (a tensor object and an autograd node each, which at decode sizes cost about as much as the
+    kernel)."""
+    require(x.dim() >= 1, lambda: f"{op}: x must have at least one dim (rows of N), got a scalar")
+    n = x.shape[-1]
+    return (x.numel() // n if n else 0), n
+
+
 # --- dtypes ----------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""LayerNorm in Triton: forward and backward over the rows of a (rows, N) matrix, as ``triton_kernels`` ops.
+"""LayerNorm in Triton: forward and backward over the last dim of x (..., N), as ``triton_kernels`` ops.
 
 What it computes
     forward    mean = Σx/N,  rstd = 1/sqrt(Σ(x−mean)²/N + eps)   ("rstd": reciprocal standard deviation)
@@ -59,6 +59,7 @@ from .launch import (
     on_device,
     persistent_program_count,
     require,
+    row_matrix,
     row_tile,
     split_float,
 )
@@ -74,10 +75,10 @@ SM's 64K-register file. More programs would only queue, and each adds a row to t
 
 def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row: dict | None = None,
                              like_x: dict | None = None):
-    """x is a (rows, N) matrix; ``per_column`` tensors are N-vectors of x's dtype, ``per_row`` ones are
-    rows-vectors of the statistics dtype, ``like_x`` ones match x. All contiguous."""
-    require(x.dim() == 2, lambda: f"{op}: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
-    rows, n = x.shape
+    """x is (..., N), its leading dims the rows; ``per_column`` tensors are N-vectors of x's dtype,
+    ``per_row`` ones are rows-vectors of the statistics dtype, ``like_x`` ones match x. All contiguous.
+    Returns (rows, N)."""
+    rows, n = row_matrix(op, x)
     require(n >= 1, lambda: f"{op}: rows of 0 elements have no mean (x has shape {tuple(x.shape)})")
     per_row, like_x = per_row or {}, like_x or {}
     expected = [(per_column, (n,), x.dtype), (per_row, (rows,), accumulator_dtype(x.dtype)), (like_x, x.shape, x.dtype)]
@@ -86,6 +87,7 @@ def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row
             require(tensor.shape == shape and tensor.dtype == dtype,
                     lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
     check_contiguous(op, x, *per_column.values(), *per_row.values(), *like_x.values())
+    return rows, n
 
 
 # --- forward -----------------------------------------------------------------------------------------
@@ -155,9 +157,8 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
 
 
 def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
-    _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
+    rows, n = _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
     check_inputs("layer_norm_forward", x, weight, bias)
-    rows, n = x.shape
     out = torch.empty_like(x)
     mean = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
@@ -278,7 +279,7 @@ def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch
 def launch_layer_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                     mean: torch.Tensor, rstd: torch.Tensor):
     """``launch_layer_norm_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
-    rows, n = x.shape
+    rows, n = row_matrix("layer_norm_backward", x)
     grad_x = torch.empty_like(x)
     if rows == 0:
         return grad_x, torch.zeros_like(weight), torch.zeros_like(weight)
@@ -323,8 +324,8 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 @layer_norm_forward.register_fake
 def _layer_norm_forward_fake(x, weight, bias, eps):
-    _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
-    mean = x.new_empty(x.shape[0], dtype=accumulator_dtype(x.dtype))
+    rows, _ = _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
+    mean = x.new_empty(rows, dtype=accumulator_dtype(x.dtype))
     return torch.empty_like(x), mean, torch.empty_like(mean)
 
 
@@ -383,7 +384,7 @@ class _LayerNormEager(torch.autograd.Function):
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm of each row of the (rows, N) matrix ``x`` by our kernels, differentiable; returns only
+    """LayerNorm over the last dim of ``x`` (..., N) by our kernels, differentiable; returns only
     the output (mean and rstd stay saved for the backward). torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return layer_norm_forward(x, weight, bias, float(eps))[0]

@@ -1,4 +1,4 @@
-"""Softmax in Triton: forward and backward over the rows of a (rows, N) matrix, as ``triton_kernels`` ops.
+"""Softmax in Triton: forward and backward over the last dim of x (..., N), as ``triton_kernels`` ops.
 
 What it computes
     forward    y = exp(x − max x) / Σ exp(x − max x)           per row; subtracting the maximum keeps exp
@@ -47,14 +47,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_tile
+from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix, row_tile
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
 def _check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> None:
-    """x is a (rows, N) matrix; ``like_x`` tensors match it in shape and dtype. All contiguous."""
-    require(x.dim() == 2, lambda: f"{op}: x must be a (rows, N) matrix, got shape {tuple(x.shape)}")
+    """x is (..., N), softmax taken over its last dim; ``like_x`` tensors match it in shape and dtype.
+    All contiguous."""
+    row_matrix(op, x)
     for name, tensor in (like_x or {}).items():
         require(tensor.shape == x.shape and tensor.dtype == x.dtype,
                 lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(x.shape)} {x.dtype}")
@@ -119,9 +120,10 @@ def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run_row_kernels(looped_kernel, tiled_kernel, *inputs: torch.Tensor) -> torch.Tensor:
-    """One output shaped like the (rows, N) ``inputs``: rows that fit a block go several to a program
-    (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``)."""
-    rows, n = inputs[-1].shape
+    """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices: rows that fit a block
+    go several to a program (``tiled_kernel``), longer rows one to a program looping over their blocks
+    (``looped_kernel``)."""
+    rows, n = row_matrix("softmax", inputs[-1])
     out = torch.empty_like(inputs[-1])
     if out.numel() == 0:
         return out
@@ -244,7 +246,7 @@ class _SoftmaxEager(torch.autograd.Function):
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim of the (rows, N) matrix ``x`` by our kernels, differentiable.
+    """Softmax over the last dim of ``x`` (..., N) by our kernels, differentiable.
     torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return softmax_forward(x)
