@@ -9,6 +9,7 @@ and gets a footnote saying why, rather than being hidden.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import pandas as pd
 
@@ -88,7 +89,8 @@ def plot_comparison(table: pd.DataFrame, ax=None, title: str | None = None):
     ax.set_xlim(left, right)
     xlabel = "median time per call, ms (log scale; whiskers: 10th-90th percentile)"
     footnote = over_100_footnote(rows)
-    ax.set_xlabel(xlabel + (f"\n{footnote}" if footnote else ""), fontsize=9)
+    # Wrapped to the axis' width: a footnote on one line runs past the figure's edge.
+    ax.set_xlabel(xlabel + ("\n" + textwrap.fill(footnote, 150) if footnote else ""), fontsize=9)
     ax.set_title(title or "{component} {pass_} {shape} {dtype} on {device}: {bound}speedup vs {baseline}".format(
         component=attrs.get("component", ""), pass_="fwd+bwd" if attrs.get("backward") else "forward",
         shape=attrs.get("input_shape", ()), dtype=attrs.get("dtype", ""), device=attrs.get("device", ""),
