@@ -48,7 +48,7 @@ from levels.spec import (
 )
 
 from .peaks import copy_bandwidth, matmul_throughput
-from .timing import synchronize, time_back_to_back, time_once, time_runs
+from .timing import synchronize, time_back_to_back, time_once, time_runs, time_side_by_side
 
 COLUMNS = [
     "level", "title", "kind", "median_ms", "p10_ms", "p90_ms", "runs", "graph_ms", "speedup", "gb_per_s",
@@ -143,20 +143,31 @@ def compare_optimization_levels(
     matmul_peak = matmul_throughput(str(device), dtype)
     _load_kernel_backends(candidates)
 
-    rows = []
-    bar = tqdm(candidates.items(), desc="comparing levels", unit="level", disable=not progress, leave=False)
+    timer = time_back_to_back if back_to_back else time_runs
+    rows, steps = [], {}
+    bar = tqdm(candidates.items(), desc="checking levels", unit="level", disable=not progress, leave=False)
     for key, module in bar:
         bar.set_postfix_str(titles[key])
         row = {"level": key, "title": titles[key], "kind": "level" if isinstance(module, ComponentSpec) else "reference"}
-        row.update(_measure(module, inputs, grad_output, reference_values, device, dtype, budget_s, back_to_back))
-        if row["status"] == "ok":
-            # One basis for every ratio in the row: the eager time, what a user gets.
-            seconds = row["median_ms"] / 1e3
-            row["gb_per_s"] = bytes_moved / seconds / 1e9
-            row["tflop_per_s"] = flops / seconds / 1e12
-            row["pct_copy_bandwidth"] = 100 * bytes_moved / seconds / bandwidth
-            row["pct_matmul_peak"] = 100 * flops / seconds / matmul_peak
+        step, checks = _check(module, inputs, grad_output, reference_values, device, dtype, budget_s, timer)
+        row.update(checks)
+        if step is not None:
+            steps[key] = step
         rows.append(row)
+    # The rows are timed side by side, in turns, so that their ratios compare like with like.
+    timings = time_side_by_side(steps, device, timer, budget_s=budget_s, progress=progress)
+    for row in rows:
+        if row["level"] not in timings:
+            continue
+        timing = timings[row["level"]]
+        row.update(median_ms=timing.median_s * 1e3, p10_ms=timing.p10_s * 1e3, p90_ms=timing.p90_s * 1e3,
+                   runs=timing.runs)
+        # One basis for every ratio in the row: the eager time, what a user gets.
+        seconds = timing.median_s
+        row["gb_per_s"] = bytes_moved / seconds / 1e9
+        row["tflop_per_s"] = flops / seconds / 1e12
+        row["pct_copy_bandwidth"] = 100 * bytes_moved / seconds / bandwidth
+        row["pct_matmul_peak"] = 100 * flops / seconds / matmul_peak
 
     table = pd.DataFrame(rows).reindex(columns=COLUMNS)
     table["speedup"] = table.loc[table["level"] == baseline_key, "median_ms"].iloc[0] / table["median_ms"]
@@ -241,7 +252,10 @@ def _gradients(inputs, module) -> list[torch.Tensor]:
     return [g if g is not None else torch.zeros(()) for g in tensors]
 
 
-def _measure(module, inputs, grad_output, reference_values, device, dtype, budget_s, back_to_back) -> dict:
+def _check(module, inputs, grad_output, reference_values, device, dtype, budget_s, timer) -> tuple:
+    """Everything about one row but its eager time: the first call, the error against the float64
+    reference, graph replay, peak memory and kernel count. Returns the call to time (None if the row
+    cannot run here) and the row's columns."""
     inputs = tuple(x.detach().requires_grad_(grad_output is not None and x.is_floating_point()) for x in inputs)
     parameters = list(module.parameters())
 
@@ -259,18 +273,12 @@ def _measure(module, inputs, grad_output, reference_values, device, dtype, budge
     try:
         first_call_s = time_once(step, device)
     except Exception as error:  # a level that cannot run here says why in its row, the rest go on
-        return {"status": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+        return None, {"status": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
 
     output = step()
     values = [output] + (_gradients(inputs, module) if grad_output is not None else [])
     error = max(relative_max_error(value, reference) for value, reference in zip(values, reference_values))
-    timer = time_back_to_back if back_to_back else time_runs
-    timing = timer(step, device, budget_s=budget_s)
-    return {
-        "median_ms": timing.median_s * 1e3,
-        "p10_ms": timing.p10_s * 1e3,
-        "p90_ms": timing.p90_s * 1e3,
-        "runs": timing.runs,
+    return step, {
         "graph_ms": _graph_replay_ms(step, device, budget_s, timer),
         "max_error": error,
         "within_tolerance": error <= TOLERANCE[dtype],

@@ -6,22 +6,32 @@ On CUDA we record events on the stream around each run; on the CPU a monotonic c
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per run: the median, and the 10th and 90th percentiles as the spread."""
+    """Seconds per run: the median, and the 10th and 90th percentiles as the spread, of ``samples``
+    (seconds per call, one per timed run or batch); ``runs`` counts the calls timed."""
 
     median_s: float
     p10_s: float
     p90_s: float
     runs: int
+    samples: tuple[float, ...] = ()
+
+    @classmethod
+    def from_samples(cls, samples, runs: int) -> "Timing":
+        samples = tuple(samples)
+        deciles = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+        return cls(statistics.median(samples), deciles[0], deciles[-1], runs, samples)
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,12 +60,12 @@ def time_runs(function: Callable[[], object], device: torch.device, *, budget_s:
     estimate = max(time_once(function, device), 1e-7)
     runs = int(min(max_runs, max(min_runs, budget_s / estimate)))
     samples = _cuda_event_samples(function, device, runs) if device.type == "cuda" else _clock_samples(function, runs)
-    deciles = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
-    return Timing(statistics.median(samples), deciles[0], deciles[-1], len(samples))
+    return Timing.from_samples(samples, len(samples))
 
 
 def time_back_to_back(function: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,
-                      max_samples: int = 21, min_samples: int = 5, min_batch_s: float = 1e-3) -> Timing:
+                      max_samples: int = 21, min_samples: int = 5, min_batch_s: float = 1e-3,
+                      warmup_runs: int = 3) -> Timing:
     """Seconds per call of ``function`` launched back to back from Python, as a decode loop launches it.
 
     Each sample is the wall time of a batch of N calls between two synchronisations, divided by N;
@@ -67,7 +77,7 @@ def time_back_to_back(function: Callable[[], object], device: torch.device, *, b
     launch shows up as GPU time, a call whose launch outlasts its GPU work as launch time: either
     way, what one more call costs.
     """
-    for _ in range(3):
+    for _ in range(warmup_runs):
         function()
     one_call = max(time_once(function, device), 1e-7)
     samples = int(min(max_samples, max(min_samples, budget_s / one_call)))
@@ -80,8 +90,36 @@ def time_back_to_back(function: Callable[[], object], device: torch.device, *, b
             function()
         synchronize(device)
         per_call.append((time.perf_counter() - start) / calls)
-    deciles = statistics.quantiles(per_call, n=10)
-    return Timing(statistics.median(per_call), deciles[0], deciles[-1], samples * calls)
+    return Timing.from_samples(per_call, samples * calls)
+
+
+def time_side_by_side(functions: Mapping[str, Callable[[], object]], device: torch.device, timer=time_runs, *,
+                      budget_s: float = 1.0, rounds: int = 3, min_runs: int = 5,
+                      progress: bool = False) -> dict[str, Timing]:
+    """``timer`` (``time_runs`` or ``time_back_to_back``) for every function, in turns: ``rounds``
+    rounds, each giving every function ``budget_s / rounds`` of timing, one after the other; each
+    function's samples of all rounds make its Timing.
+
+    A ratio between two rows is only as good as the conditions they were timed under. Timed one
+    after the other, a row timed while the host was busy (another process, a clock that stepped down)
+    loses to one timed a second later. In turns, such a spell falls on every row alike. Warm-up
+    runs happen in the first round only, and each round asks for a share of ``min_runs``, so a slow
+    (interpreted) call runs only one more time per round (the timer's estimate) than timed in one go."""
+    per_round = max(1, math.ceil(min_runs / rounds))
+    minimum = {"min_samples": per_round} if timer is time_back_to_back else {"min_runs": per_round}
+    samples = {key: [] for key in functions}
+    runs = dict.fromkeys(functions, 0)
+    bar = tqdm(total=rounds * len(functions), desc="timing side by side", unit="row", disable=not progress,
+               leave=False)
+    for round_index in range(rounds):
+        for key, function in functions.items():
+            bar.update()
+            timing = timer(function, device, budget_s=budget_s / rounds, warmup_runs=3 if round_index == 0 else 0,
+                           **minimum)
+            samples[key] += timing.samples
+            runs[key] += timing.runs
+    bar.close()
+    return {key: Timing.from_samples(samples[key], runs[key]) for key in functions}
 
 
 def _clock_samples(function, runs):

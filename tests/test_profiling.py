@@ -3,6 +3,7 @@ be complete, on one basis, honest about what could not run and about percentages
 to CSV and PNG on request."""
 
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -13,6 +14,7 @@ import levels
 from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
 from profiling.gpu_suite import FASTEST_REFERENCE, Target
+from profiling.timing import time_back_to_back, time_runs, time_side_by_side
 
 
 def test_one_row_per_level_plus_reference_rows():
@@ -78,6 +80,24 @@ def test_a_dict_of_modules_is_compared_against_its_first_entry():
     assert exact.level == exact.title == "exact" and table.attrs["baseline"] == "exact"
     assert exact.max_error == 0 and exact.within_tolerance
     assert off.max_error == pytest.approx(0.005, rel=1e-3) and not off.within_tolerance
+
+
+@pytest.mark.parametrize("timer", [time_runs, time_back_to_back])
+def test_rows_are_timed_in_turns_and_each_keeps_its_own_samples(timer):
+    calls = []
+
+    def quick():
+        calls.append("quick")
+
+    def slow():
+        calls.append("slow")
+        time.sleep(2e-3)
+
+    timings = time_side_by_side({"quick": quick, "slow": slow}, torch.device("cpu"), timer, budget_s=0.06, rounds=3)
+    turns = [name for index, name in enumerate(calls) if index == 0 or calls[index - 1] != name]
+    assert turns == ["quick", "slow"] * 3  # three rounds, each row's calls together within a round
+    assert timings["slow"].median_s > 2e-3 > timings["quick"].median_s
+    assert len(timings["slow"].samples) >= 3 and timings["quick"].runs >= len(timings["quick"].samples)
 
 
 def test_one_query_over_a_cache_is_a_memory_bound_attention_case():
