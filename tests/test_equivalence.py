@@ -32,3 +32,18 @@ def test_forward_and_backward_match_float64_reference(component, config, shape, 
         assert torch.isfinite(actual).all(), f"{name} has non-finite values"
         error = relative_max_error(actual, wanted)
         assert error <= TOLERANCE[dtype], f"{name}: relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("component,config,shape,level,device,dtype",
+                         [p for p in grid_params() if p.values[3] in ("triton", "cuda") and p.values[5] != torch.float64])
+def test_inference_forward_matches_float64_reference(component, config, shape, level, device, dtype):
+    """Under torch.no_grad levels 4 and 5 take their own path (no autograd, no statistics saved for a
+    backward): it must compute the same function."""
+    module, reference = build_pair(component, level, config, device, dtype)
+    inputs = make_inputs(module, shape, dtype, device)
+    with torch.no_grad():
+        output = module(*inputs)
+        expected = reference(*map(as_reference_input, inputs))
+    assert output.dtype == dtype and output.shape == expected.shape
+    error = relative_max_error(output, expected)
+    assert error <= TOLERANCE[dtype], f"relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"

@@ -95,7 +95,8 @@ def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row
 
 @triton.jit
 def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
-                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr):
+                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
+                           STORE_STATISTICS: tl.constexpr):
     rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -114,13 +115,14 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
     y = centered * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Mean + rows, mean, mask=row_mask)
-    tl.store(Rstd + rows, rstd, mask=row_mask)
+    if STORE_STATISTICS:
+        tl.store(Mean + rows, mean, mask=row_mask)
+        tl.store(Rstd + rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
-                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr):
     row = tl.program_id(0)
     X += row.to(tl.int64) * N
     Y += row.to(tl.int64) * N
@@ -144,8 +146,9 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
         m2 += block_m2 + delta * delta * (count * block_count / total)
         count = total
     rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
-    tl.store(Mean + row, mean)
-    tl.store(Rstd + row, rstd)
+    if STORE_STATISTICS:
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
     # pass 2: normalise, scale and shift
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
@@ -156,23 +159,33 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
         tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                          keep_statistics: bool = True):
+    """(y, mean, rstd); with ``keep_statistics=False`` (inference: no backward will read them) the
+    kernel skips their stores and the statistics come back as None: at decode sizes their two
+    allocations cost more host time than the kernel's whole run."""
     rows, n = _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
     check_inputs("layer_norm_forward", x, weight, bias)
     out = torch.empty_like(x)
-    mean = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device)
-    rstd = torch.empty_like(mean)
+    if keep_statistics:
+        mean = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device)
+        rstd = torch.empty_like(mean)
+    else:
+        mean = rstd = None
     if rows == 0:
         return out, mean, rstd
     tile = row_tile(n)
+    # Without statistics the kernel stores none, and the Mean and Rstd pointers are never read: out stands in.
+    mean_out, rstd_out = (mean, rstd) if keep_statistics else (out, out)
     with on_device(x):
         if tile.looped:
-            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, mean, rstd, n, *split_float(eps),
-                   BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, mean_out, rstd_out, n,
+                   *split_float(eps), BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
+                   STORE_STATISTICS=keep_statistics, num_warps=tile.num_warps)
         else:
-            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias, mean, rstd, rows,
-                   n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                   COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps)
+            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias, mean_out, rstd_out,
+                   rows, n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                   COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics, num_warps=tile.num_warps)
     return out, mean, rstd
 
 
@@ -389,5 +402,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if torch.compiler.is_compiling():
         return layer_norm_forward(x, weight, bias, float(eps))[0]
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)):
-        return launch_layer_norm_fwd(x, weight, bias, float(eps))[0]  # no gradient wanted: skip autograd
+        # No gradient wanted: no autograd bookkeeping, and no statistics for a backward.
+        return launch_layer_norm_fwd(x, weight, bias, float(eps), keep_statistics=False)[0]
     return _LayerNormEager.apply(x, weight, bias, float(eps))
