@@ -11,6 +11,7 @@ with seq × window.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Optional
@@ -150,19 +151,19 @@ class AttentionSpec(ComponentSpec):
         backends = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
         if device is not None and torch.device(device).type == "cpu":
             backends = ["FLASH_ATTENTION", "MATH"]
-        return {f"SDPA {name.split('_')[0].lower()}": _PyTorchSDPA(self, getattr(SDPBackend, name))
+        return {f"SDPA {name.split('_')[0].lower()}": PyTorchSDPA(self, getattr(SDPBackend, name))
                 for name in backends if hasattr(SDPBackend, name)}
 
 
-class _PyTorchSDPA(nn.Module):
+class PyTorchSDPA(nn.Module):
     """``F.scaled_dot_product_attention`` on one backend. SDPA's ``is_causal`` aligns queries to the
     *start* of the keys, so other masks (end-aligned, windowed) go in as a boolean mask, which some
     backends (flash) refuse: that row then says so."""
 
-    def __init__(self, spec: AttentionSpec, backend):
+    def __init__(self, spec: AttentionSpec, backend=None):
         super().__init__()
         self.spec = spec
-        self.backend = backend
+        self.backend = backend  # None: whichever backend PyTorch picks for the inputs
 
     def forward(self, q, k, v):
         from torch.nn.attention import sdpa_kernel
@@ -172,7 +173,7 @@ class _PyTorchSDPA(nn.Module):
         mask = None
         if spec.causal and not same_length_causal:
             mask = visible_keys_mask(q.shape[-2], k.shape[-2], spec.window or 0, q.device)
-        with sdpa_kernel(self.backend):
+        with sdpa_kernel(self.backend) if self.backend is not None else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=same_length_causal,
                                                   scale=spec.scale_for(q.shape[-1]))
 

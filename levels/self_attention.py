@@ -10,9 +10,11 @@ query shorter than the keys, aligned to their end).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import attention as attention_component
@@ -85,15 +87,23 @@ class SelfAttentionSpec(ComponentSpec):
                              f"got {tuple(x.shape)}")
 
     def compute(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        return self.attend(x, functools.partial(linear, self.level), self.attention, cache)
+
+    def attend(self, x: torch.Tensor, project, attention, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """The layer with ``project(x, weight, bias)`` for the two projections and ``attention(q, k, v)``
+        for the heads: each level passes its own, PyTorch's reference row F.linear and SDPA."""
         batch, tokens, width = x.shape
-        qkv = linear(self.level, x, self.c_attn.weight, self.c_attn.bias)
+        qkv = project(x, self.c_attn.weight, self.c_attn.bias)
         # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views
         q, k, v = qkv.view(batch, tokens, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if cache is not None:
             k, v = cache.extend(k, v)
-        heads = self.attention(q, k, v)
+        heads = attention(q, k, v)
         merged = heads.transpose(1, 2).reshape(batch, tokens, width)
-        return linear(self.level, merged, self.c_proj.weight, self.c_proj.bias)
+        return project(merged, self.c_proj.weight, self.c_proj.bias)
+
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
+        return {"F.linear + SDPA (PyTorch)": _PyTorchSelfAttention(self)}
 
     @classmethod
     def config_for_shape(cls, input_shape):
@@ -114,6 +124,19 @@ class SelfAttentionSpec(ComponentSpec):
         activations = element_count(shape) * dtype.itemsize
         weights = sum(p.numel() for p in self.parameters()) * dtype.itemsize
         return (2 * activations + weights) * (3 if backward else 1)
+
+
+class _PyTorchSelfAttention(nn.Module):
+    """The vendor way, on the spec's own parameters: ``F.linear`` projections (cuBLAS, bias in its
+    epilogue) around ``F.scaled_dot_product_attention`` on whichever backend PyTorch picks."""
+
+    def __init__(self, spec: SelfAttentionSpec):
+        super().__init__()
+        self.spec = spec
+        self.sdpa = attention_component.PyTorchSDPA(spec.attention, backend=None)
+
+    def forward(self, x):
+        return self.spec.attend(x, F.linear, self.sdpa)
 
 
 class SelfAttentionNative(SelfAttentionSpec):

@@ -12,12 +12,19 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import nn
 
 from .feed_forward import IMPLEMENTATIONS as FEED_FORWARD
 from .layer_norm import IMPLEMENTATIONS as LAYER_NORM
 from .self_attention import IMPLEMENTATIONS as SELF_ATTENTION
 from .self_attention import KVCache, SelfAttentionSpec
 from .spec import ComponentSpec, default_device_and_dtype, element_count
+
+
+def residual_block(x: torch.Tensor, ln_1, attn, ln_2, mlp, *attention_arguments) -> torch.Tensor:
+    """GPT-2's pre-LayerNorm residual stream around any four parts (``attention_arguments``: the KV cache)."""
+    x = x + attn(ln_1(x), *attention_arguments)
+    return x + mlp(ln_2(x))
 
 
 class TransformerBlockSpec(ComponentSpec):
@@ -53,8 +60,10 @@ class TransformerBlockSpec(ComponentSpec):
         self.attn.check_inputs(x)
 
     def compute(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
-        return x + self.mlp(self.ln_2(x))
+        return residual_block(x, self.ln_1, self.attn, self.ln_2, self.mlp, cache)
+
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
+        return {"F.layer_norm, F.linear + SDPA, F.gelu (PyTorch)": _PyTorchTransformerBlock(self, device)}
 
     @classmethod
     def config_for_shape(cls, input_shape):
@@ -113,6 +122,22 @@ class TransformerBlockCUDA(TransformerBlockSpec):
     """Level 5: our CUDA LayerNorm, bias + GELU and flash-attention kernels around cuBLAS matmuls."""
 
     level = "cuda"
+
+
+class _PyTorchTransformerBlock(nn.Module):
+    """The vendor way, on the spec's own parameters: the parts' PyTorch reference rows in the same
+    residual stream (``F.layer_norm``; ``F.linear`` around SDPA; ``F.linear`` and the fused GELU)."""
+
+    def __init__(self, spec: TransformerBlockSpec, device=None):
+        super().__init__()
+        self.spec = spec
+        (self.ln_1,) = spec.ln_1.reference_modules(device).values()
+        (self.attn,) = spec.attn.reference_modules(device).values()
+        (self.ln_2,) = spec.ln_2.reference_modules(device).values()
+        (self.mlp,) = spec.mlp.reference_modules(device).values()
+
+    def forward(self, x):
+        return residual_block(x, self.ln_1, self.attn, self.ln_2, self.mlp)
 
 
 IMPLEMENTATIONS = {
