@@ -30,6 +30,7 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -124,6 +125,29 @@ void impl_differentiable(torch::Library& m, const char* forward, const char* bac
   impl_on_every_device<kForward>(m, forward);
   impl_on_every_device<kBackward>(m, backward);
   m.impl(forward, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kAutograd)));
+}
+
+// Whether autograd will record this call: grad mode is on and some tensor input requires grad.
+// torch::autograd::Function::apply builds its graph node, saves the inputs and wraps every output
+// before it learns whether anything will use them; under torch.no_grad (inference: a decode step) that
+// bookkeeping would be most of a small call. So an Autograd kernel asks first, and when the answer is
+// no it calls the op below autograd instead (call_below_autograd). swish_ops.cpp writes this out.
+inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+inline bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
+template <typename NotATensor>
+bool requires_grad(const NotATensor&) { return false; }
+
+template <typename... Inputs>
+bool records_gradient(const Inputs&... inputs) {
+  return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
+}
+
+// The op whose host wrapper is kWrapper, named `name`, called below autograd (found once, then kept).
+template <auto* kWrapper, typename... Args>
+auto call_below_autograd(const char* name, const Args&... args) {
+  static const auto op = find_op<std::remove_pointer_t<decltype(kWrapper)>>(name);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(args...);
 }
 
 // `grad` if autograd asked for the gradient of the forward's `tensor_index`-th tensor input, else an

@@ -126,6 +126,9 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 };
 
 at::Tensor linear_forward_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (!records_gradient(x, weight, bias)) {
+    return call_below_autograd<&linear_forward>("cuda_kernels::linear_forward", x, weight, bias);
+  }
   return LinearFunction::apply(x, weight, bias);
 }
 
@@ -239,6 +242,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward_autograd(con
                                                                              const std::optional<at::Tensor>& fc_bias,
                                                                              const at::Tensor& proj_weight,
                                                                              const std::optional<at::Tensor>& proj_bias) {
+  if (!records_gradient(x, fc_weight, fc_bias, proj_weight, proj_bias)) {
+    return call_below_autograd<&feed_forward_forward>("cuda_kernels::feed_forward_forward", x, fc_weight, fc_bias,
+                                                      proj_weight, proj_bias);
+  }
   const auto outputs = FeedForwardFunction::apply(x, fc_weight, fc_bias, proj_weight, proj_bias);
   return {outputs[0], outputs[1], outputs[2]};
 }

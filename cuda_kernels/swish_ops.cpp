@@ -85,7 +85,16 @@ struct SwishFunction : public torch::autograd::Function<SwishFunction> {
   }
 };
 
-at::Tensor swish_forward_autograd(const at::Tensor& x, double beta) { return SwishFunction::apply(x, beta); }
+at::Tensor swish_forward_autograd(const at::Tensor& x, double beta) {
+  // Nothing to record (torch.no_grad, or an x that needs no gradient): straight to the kernel below
+  // autograd. SwishFunction::apply would build a graph node first and only then find it unneeded.
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto swish_forward_op = find_op<decltype(swish_forward)>("cuda_kernels::swish_forward");
+    return swish_forward_op.call(x, beta);
+  }
+  return SwishFunction::apply(x, beta);
+}
 
 }  // namespace
 }  // namespace kernel_ladder
