@@ -92,6 +92,9 @@ class _AttentionEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, window, scale):
+        # Copied here, inside the Function, a strided q, k or v (heads split off a fused projection)
+        # costs a copy kernel but no autograd node of its own; the gradients come back contiguous.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = launch_attention_fwd(q, k, v, causal, window, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask_and_scale = (causal, window, scale)
@@ -108,10 +111,12 @@ class _AttentionEager(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
               scale: float) -> torch.Tensor:
     """Flash attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) by our kernels, differentiable; returns
-    only the output (lse stays saved for the backward). torch.compile sees the registered op."""
+    only the output (lse stays saved for the backward). q, k and v may be strided (the kernels get
+    contiguous copies). torch.compile sees the registered op."""
     causal, window, scale = bool(causal), int(window), float(scale)
     if torch.compiler.is_compiling():
-        return attention_forward(q, k, v, causal, window, scale)[0]
+        return attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, window, scale)[0]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return launch_attention_fwd(q, k, v, causal, window, scale)[0]  # no gradient wanted: skip autograd
+        # No gradient wanted: skip autograd
+        return launch_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, window, scale)[0]
     return _AttentionEager.apply(q, k, v, causal, window, scale)
