@@ -11,7 +11,6 @@ with seq × window.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Optional
@@ -156,14 +155,14 @@ class AttentionSpec(ComponentSpec):
 
 
 class PyTorchSDPA(nn.Module):
-    """``F.scaled_dot_product_attention`` on one backend. SDPA's ``is_causal`` aligns queries to the
+    """``F.scaled_dot_product_attention`` on one backend (or a few to choose from). SDPA's ``is_causal`` aligns queries to the
     *start* of the keys, so other masks (end-aligned, windowed) go in as a boolean mask, which some
     backends (flash) refuse: that row then says so."""
 
-    def __init__(self, spec: AttentionSpec, backend=None):
+    def __init__(self, spec: AttentionSpec, backend):
         super().__init__()
         self.spec = spec
-        self.backend = backend  # None: whichever backend PyTorch picks for the inputs
+        self.backend = backend  # one SDPBackend, or a list of those it may choose from
 
     def forward(self, q, k, v):
         from torch.nn.attention import sdpa_kernel
@@ -173,7 +172,7 @@ class PyTorchSDPA(nn.Module):
         mask = None
         if spec.causal and not same_length_causal:
             mask = visible_keys_mask(q.shape[-2], k.shape[-2], spec.window or 0, q.device)
-        with sdpa_kernel(self.backend) if self.backend is not None else contextlib.nullcontext():
+        with sdpa_kernel(self.backend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=same_length_causal,
                                                   scale=spec.scale_for(q.shape[-1]))
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from . import attention as attention_component
 from .backends import linear
@@ -103,7 +104,7 @@ class SelfAttentionSpec(ComponentSpec):
         return project(merged, self.c_proj.weight, self.c_proj.bias)
 
     def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        return {"F.linear + SDPA (PyTorch)": _PyTorchSelfAttention(self)}
+        return {"F.linear + SDPA flash (PyTorch)": _PyTorchSelfAttention(self)}
 
     @classmethod
     def config_for_shape(cls, input_shape):
@@ -126,14 +127,22 @@ class SelfAttentionSpec(ComponentSpec):
         return (2 * activations + weights) * (3 if backward else 1)
 
 
+# Flash where it runs, else the backends every device has: the math fallback keeps float64 and the CPU working.
+_FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class _PyTorchSelfAttention(nn.Module):
     """The vendor way, on the spec's own parameters: ``F.linear`` projections (cuBLAS, bias in its
-    epilogue) around ``F.scaled_dot_product_attention`` on whichever backend PyTorch picks."""
+    epilogue) around ``F.scaled_dot_product_attention`` on its FlashAttention-2 backend, which takes the
+    heads as strided views of the projection, as ours do. (PyTorch 2.11's own choice on an H100, cuDNN,
+    failed on them in forward+backward: "mha_graph.execute(...).is_good()"; the attention component
+    compares every SDPA backend, cuDNN included, on contiguous inputs.) Where flash cannot run (the CPU
+    build, float64), PyTorch's choice."""
 
     def __init__(self, spec: SelfAttentionSpec):
         super().__init__()
         self.spec = spec
-        self.sdpa = attention_component.PyTorchSDPA(spec.attention, backend=None)
+        self.sdpa = attention_component.PyTorchSDPA(spec.attention, backend=_FLASH_FIRST)
 
     def forward(self, x):
         return self.spec.attend(x, F.linear, self.sdpa)

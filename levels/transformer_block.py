@@ -63,7 +63,7 @@ class TransformerBlockSpec(ComponentSpec):
         return residual_block(x, self.ln_1, self.attn, self.ln_2, self.mlp, cache)
 
     def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        return {"F.layer_norm, F.linear + SDPA, F.gelu (PyTorch)": _PyTorchTransformerBlock(self, device)}
+        return {"F.layer_norm, F.linear + SDPA flash, F.gelu (PyTorch)": _PyTorchTransformerBlock(self, device)}
 
     @classmethod
     def config_for_shape(cls, input_shape):
