@@ -103,13 +103,14 @@ def test_self_attention_backward_counts_two_matmuls_per_projection_and_the_atten
 @pytest.mark.parametrize("level", levels.LEVELS)
 def test_parameter_check_runs_again_after_the_parameters_change(level):
     # The parameter walk is skipped while inputs keep the (device, dtype) that last matched; moving the
-    # module or assigning a new parameter must bring it back.
-    module = levels.build("layer_norm", level, normalized_shape=8)
-    module(torch.randn(2, 8))
+    # module or assigning a new parameter must bring it back. Level 4 runs on the GPU where there is one.
+    device = "cuda" if level == "triton" and torch.cuda.is_available() else "cpu"
+    module = levels.build("layer_norm", level, normalized_shape=8).to(device)
+    module(torch.randn(2, 8, device=device))
     module.to(torch.float64)
     with pytest.raises(TypeError, match="float32 but weight has dtype torch.float64"):
-        module(torch.randn(2, 8))
-    module(torch.randn(2, 8, dtype=torch.float64))
-    module.bias = torch.nn.Parameter(torch.zeros(8))
+        module(torch.randn(2, 8, device=device))
+    module(torch.randn(2, 8, dtype=torch.float64, device=device))
+    module.bias = torch.nn.Parameter(torch.zeros(8, device=device))
     with pytest.raises(TypeError, match="float64 but bias has dtype torch.float32"):
-        module(torch.randn(2, 8, dtype=torch.float64))
+        module(torch.randn(2, 8, dtype=torch.float64, device=device))
