@@ -3,7 +3,8 @@
 // of it out once, as the worked example; read it first.
 //
 // How a call travels, e.g. `y = layer_norm(x, weight, bias, eps)` with x requiring grad:
-//   Autograd key  -> our torch::autograd::Function (in C++: no Python on the way, forward or backward)
+//   Autograd key  -> our torch::autograd::Function (in C++: no Python on the way, forward or backward);
+//                    when autograd will record nothing (torch.no_grad), straight on to the key below
 //   CPU/CUDA key  -> the host wrapper: check, allocate, make contiguous, launch the kernel
 //   Meta key      -> the same host wrapper, which returns after allocating: torch.compile and
 //                    torch.library.opcheck trace shapes with it (SymInt sizes, so symbolic shapes work)
