@@ -3,6 +3,7 @@
     >>> import levels
     >>> layer_norm = levels.build("layer_norm", "triton", normalized_shape=4096)
     >>> swish = levels.build("swish", 5, beta=1.0)
+    >>> optimizer = levels.build_optimizer("cuda", layer_norm.parameters(), lr=1e-3)
 
 Importing this package imports neither Triton nor the CUDA extension: levels 4 and 5 load them on
 first use, and say what to install if they cannot.
@@ -15,6 +16,7 @@ import importlib
 import torch
 from torch import nn
 
+from .optimizer import build_optimizer
 from .spec import (
     LEVEL_DTYPES,
     LEVEL_TITLES,
@@ -26,7 +28,8 @@ from .spec import (
     resolve_level,
 )
 
-COMPONENTS = ("swish", "layer_norm", "softmax", "attention", "feed_forward", "self_attention", "transformer_block", "gpt")
+COMPONENTS = ("swish", "layer_norm", "softmax", "attention", "feed_forward", "self_attention", "transformer_block",
+              "linear_cross_entropy", "gpt")
 """Component names, in the order the lessons take them."""
 
 
@@ -64,6 +67,7 @@ __all__ = [
     "ComponentSpec",
     "LevelUnavailableError",
     "build",
+    "build_optimizer",
     "component_module",
     "float64_reference",
     "level_class",

@@ -5,8 +5,12 @@ LM head tied to the token embedding. ``generate`` decodes with a KV cache: the p
 then every new token is one query attending to the cached keys and values, which is the case the
 attention kernels of levels 4 and 5 handle with queries shorter than keys.
 
+Given targets, ``gpt(idx, targets)`` returns the mean next-token loss instead of the logits, through the
+level's ``linear_cross_entropy`` (the LM head and the loss in one component, holding the tied weight):
+at levels 4 and 5 the (tokens × vocabulary) logits are never in memory whole.
+
 What is not a ladder component stays PyTorch at every level, on purpose and said here: the embedding
-lookups (a gather, not a lesson), the residual adds, and the loss.
+lookups (a gather, not a lesson) and the residual adds.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from .backends import linear
 from .layer_norm import IMPLEMENTATIONS as LAYER_NORM
+from .linear_cross_entropy import IMPLEMENTATIONS as LINEAR_CROSS_ENTROPY
 from .self_attention import KVCache, check_heads
 from .spec import ComponentSpec
 from .transformer_block import IMPLEMENTATIONS as TRANSFORMER_BLOCK
@@ -40,9 +45,11 @@ class GPTSpec(ComponentSpec):
         n_embd: model width (a multiple of n_head); block_size: the longest sequence (positions);
         window: sliding-window attention in every block (None: full causal).
 
-    Parameters: ``wte`` (vocab_size × n_embd, also the LM head), ``wpe`` (block_size × n_embd), ``h`` (the
-    blocks), ``ln_f``: the same ``state_dict`` at every level. Call: ``gpt(idx)`` with idx a (batch,
-    tokens) tensor of token ids; returns (batch, tokens, vocab_size) logits.
+    Parameters: ``wte`` (vocab_size × n_embd, also the LM head: ``lm_head.weight`` is the same tensor),
+    ``wpe`` (block_size × n_embd), ``h`` (the blocks), ``ln_f``: the same ``state_dict`` at every level.
+    Call: ``gpt(idx)`` with idx a (batch, tokens) tensor of token ids returns (batch, tokens,
+    vocab_size) logits; ``gpt(idx, targets)`` with targets of idx's shape (the next tokens; -100 for
+    none) returns the mean loss, a float32 scalar.
     """
 
     component = "gpt"
@@ -62,6 +69,8 @@ class GPTSpec(ComponentSpec):
         self.wpe = nn.Embedding(self.block_size, self.n_embd)
         self.h = nn.ModuleList(TRANSFORMER_BLOCK[level](n_embd, n_head, window=window) for _ in range(n_layer))
         self.ln_f = LAYER_NORM[level](normalized_shape=self.n_embd)
+        self.lm_head = LINEAR_CROSS_ENTROPY[level](n_embd=self.n_embd, vocab_size=self.vocab_size)
+        self.lm_head.weight = self.wte.weight  # tied: the LM head is the token embedding (GPT-2's choice)
         self._initialise(int(n_layer))
 
     def _initialise(self, n_layer: int) -> None:
@@ -76,9 +85,11 @@ class GPTSpec(ComponentSpec):
                 nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer))
 
     # --- the computation ---------------------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.check_inputs(idx)
-        return self.compute(idx)
+        if targets is None:
+            return self.compute(idx)
+        return self.lm_head(self.hidden_states(idx), targets)
 
     def check_inputs(self, idx: torch.Tensor, past: int = 0) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
@@ -95,14 +106,18 @@ class GPTSpec(ComponentSpec):
             raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from {int(idx.min())} "
                              f"to {int(idx.max())}")
 
-    def compute(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None,
-                last_token_only: bool = False) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None) -> torch.Tensor:
+        """What the LM head reads: the final LayerNorm of the last block's output, (batch, tokens, n_embd)."""
         past = len(caches[0]) if caches else 0
         positions = torch.arange(past, past + idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for index, block in enumerate(self.h):
             x = block(x, caches[index] if caches else None)
-        x = self.ln_f(x)
+        return self.ln_f(x)
+
+    def compute(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None,
+                last_token_only: bool = False) -> torch.Tensor:
+        x = self.hidden_states(idx, caches)
         if last_token_only:
             x = x[:, -1:]
         return linear(self.level or "native", x, self.wte.weight)  # the LM head, tied to the token embedding

@@ -7,7 +7,7 @@ of the first call (compilation, autotuning, the extension's build) kept apart. T
 ``compare_optimization_levels``: ``level`` is the key (``"native"`` … ``"cuda"``), ``title`` the
 display name, ``speedup`` is over level 1 (the first level run).
 
-    training_throughput(config, (batch, tokens), dtype, device)        forward, loss, backward, AdamW step
+    training_throughput(config, (batch, tokens), dtype, device)        forward and loss, backward, AdamW step
     generation_throughput(config, batch, prompt_tokens, new_tokens, dtype, device)   KV-cache decoding
 
 And what a lesson needs to train the model on real text, offline: a small text that ships with the
@@ -25,7 +25,6 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import levels as ladder
@@ -74,11 +73,11 @@ def random_windows(data: torch.Tensor, batch: int, tokens: int,
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                   targets: torch.Tensor) -> torch.Tensor:
-    """One step: forward, next-token cross-entropy (in float32 whatever the model's dtype), backward,
-    optimizer step. Returns the loss, detached and left on the device (reading it would wait for the GPU)."""
+    """One step: forward and next-token loss (the model's own ``linear_cross_entropy``, float32 whatever
+    the model's dtype), backward, optimizer step. Returns the loss, detached and left on the device
+    (reading it would wait for the GPU)."""
     optimizer.zero_grad(set_to_none=True)
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = model(inputs, targets)
     loss.backward()
     optimizer.step()
     return loss.detach()
@@ -86,12 +85,12 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inpu
 
 def train(model: torch.nn.Module, data: torch.Tensor, steps: int, batch: int, tokens: int,
           learning_rate: float = 3e-3, seed: int = 0, progress: bool = True) -> list[float]:
-    """Train ``model`` on random windows of ``data`` (token ids) with AdamW for ``steps`` steps; returns
-    the loss of every step. The learning rate decays along a cosine to a tenth, and the same ``seed``
+    """Train ``model`` on random windows of ``data`` (token ids) with its level's AdamW
+    (``levels.build_optimizer``) for ``steps`` steps; returns the loss of every step. The learning rate decays along a cosine to a tenth, and the same ``seed``
     draws the same windows, so two levels trained alike see the same data in the same order."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    optimizer = ladder.build_optimizer(model.level, model.parameters(), lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=learning_rate / 10)
     model.train()
     losses = []
@@ -145,13 +144,15 @@ def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype =
                         device: torch.device | str = "cuda", levels: Iterable[str | int] | None = None,
                         repeats: int = 5) -> pd.DataFrame:
     """Tokens per second of one training step (forward, cross-entropy, backward, AdamW) on random tokens
-    of ``shape`` (batch, tokens). The loss is taken in float32 whatever ``dtype`` the model runs in."""
+    of ``shape`` (batch, tokens), each level with its own LM head + loss and its own AdamW. The loss is
+    taken in float32 whatever ``dtype`` the model runs in."""
     device = torch.device(device)
     batch, tokens = shape
     generator = torch.Generator().manual_seed(1)
     inputs, targets = torch.randint(0, config["vocab_size"], (2, batch, tokens), generator=generator).to(device)
     models = models_at_levels(config, levels, dtype, device)
-    optimizers = {id(model): torch.optim.AdamW(model.parameters(), lr=1e-4) for model in models.values()}
+    optimizers = {id(model): ladder.build_optimizer(model.level, model.parameters(), lr=1e-4)
+                  for model in models.values()}
 
     def step(model):
         training_step(model, optimizers[id(model)], inputs, targets)

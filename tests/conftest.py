@@ -58,6 +58,11 @@ COMPONENT_CASES = {
     "transformer_block": [
         ({"n_embd": 64, "n_head": 2}, (2, 11, 64)),
     ],
+    # (..., n_embd) hidden states; the targets come from example_inputs, about one in sixteen ignored.
+    "linear_cross_entropy": [
+        ({"n_embd": 24, "vocab_size": 101}, (5, 7, 24)),
+        ({"n_embd": 33, "vocab_size": 1000, "ignore_index": -1}, (37, 33)),
+    ],
     "gpt": [
         ({"vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 16}, (2, 13)),
     ],

@@ -1,0 +1,158 @@
+"""The two components a training step adds to the blocks: the LM head fused with its loss
+(``linear_cross_entropy``) and the optimizer (``build_optimizer``: AdamW), at every level."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import levels
+from levels import TOLERANCE, relative_max_error
+
+from .conftest import device_dtype_params, level_devices
+
+SMALL_HEAD = {"n_embd": 24, "vocab_size": 101}
+
+
+def level_device_params():
+    return [pytest.param(level, device, id=f"{level}-{device}", marks=[pytest.mark.gpu] if device == "cuda" else [])
+            for level in levels.LEVELS for device in level_devices(level)]
+
+
+# --- linear_cross_entropy ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level,device", level_device_params())
+def test_a_batch_whose_every_target_is_ignored_has_loss_zero_and_zero_gradients(level, device):
+    head = levels.build("linear_cross_entropy", level, **SMALL_HEAD).to(device)
+    hidden = torch.randn(6, 24, device=device, requires_grad=True)
+    loss = head(hidden, torch.full((6,), -100, device=device))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+
+
+@pytest.mark.parametrize("level,device", level_device_params())
+@pytest.mark.parametrize("bad_target", [101, -3])
+def test_a_target_outside_the_vocabulary_names_it_and_the_range(level, device, bad_target):
+    head = levels.build("linear_cross_entropy", level, **SMALL_HEAD).to(device)
+    targets = torch.tensor([3, bad_target, -100, 7], device=device)
+    with pytest.raises(ValueError, match=rf"{bad_target}.*\[0, .*101\)"):
+        head(torch.randn(4, 24, device=device), targets)
+
+
+@pytest.mark.parametrize("level", levels.LEVELS)
+def test_targets_of_the_wrong_dtype_or_shape_are_refused(level):
+    head = levels.build("linear_cross_entropy", level, **SMALL_HEAD)
+    hidden = torch.randn(2, 3, 24)
+    with pytest.raises(TypeError, match="int64"):
+        head(hidden, torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        head(hidden, torch.zeros(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="n_embd=24"):
+        head(torch.randn(2, 3, 25), torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_an_ignore_index_inside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="ignore_index=5"):
+        levels.build("linear_cross_entropy", 1, n_embd=8, vocab_size=10, ignore_index=5)
+
+
+@pytest.mark.parametrize("level,device", level_device_params())
+def test_the_gpts_loss_is_the_cross_entropy_of_its_logits(level, device):
+    config = {"vocab_size": 96, "n_layer": 1, "n_head": 2, "n_embd": 64, "block_size": 16}
+    torch.manual_seed(0)
+    native = levels.build("gpt", "native", **config)
+    model = levels.build("gpt", level, **config)
+    model.load_state_dict(native.state_dict())
+    model.to(device)
+    reference = native.to(device=device, dtype=torch.float64)
+    assert model.lm_head.weight is model.wte.weight  # tied
+    idx = torch.randint(0, 96, (2, 11), device=device)
+    targets = torch.randint(0, 96, (2, 11), device=device)
+    with torch.no_grad():
+        loss = model(idx, targets)
+        logits = reference(idx)
+    expected = F.cross_entropy(logits.view(-1, 96), targets.view(-1))
+    assert loss.dtype == torch.float32
+    assert relative_max_error(loss, expected) <= TOLERANCE[torch.float32]
+
+
+# --- AdamW ---------------------------------------------------------------------------------------------
+
+# eps 1e-3, not AdamW's 1e-8: float16 holds nothing below 6e-8, so with a tiny eps a gradient whose
+# square underflows divides its step by ~eps, in level 1 as anywhere, and the test would measure
+# float16's range instead of the levels (the reason half-precision training keeps float32 moments).
+HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
+SIZES = (1, 1000, 4099, 3 * 65537)  # one element; odd sizes; one tensor larger than any one block or chunk
+
+
+def run_steps(level, device, dtype, steps=5, seed=0):
+    """The parameters after ``steps`` AdamW steps on fixed random gradients, from fixed random parameters."""
+    generator = torch.Generator().manual_seed(seed)
+    initial = [torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES]
+    gradients = [[torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES] for _ in range(steps)]
+    params = [torch.nn.Parameter(p.to(device=device, dtype=dtype)) for p in initial]
+    optimizer = levels.build_optimizer(level, params, **HYPERPARAMETERS)
+    for step_gradients in gradients:
+        for param, gradient in zip(params, step_gradients):
+            param.grad = gradient.to(device=device, dtype=dtype)
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("level", levels.LEVELS)
+def test_adamw_after_several_steps_matches_a_float64_level_1_run(level):
+    for device_dtype in device_dtype_params(level):
+        device, dtype = device_dtype.values
+        if device == "cuda" and not torch.cuda.is_available():
+            continue
+        params, _ = run_steps(level, device, dtype)
+        expected, _ = run_steps("native", "cpu", torch.float64)
+        for index, (actual, wanted) in enumerate(zip(params, expected)):
+            error = relative_max_error(actual, wanted)
+            assert error <= TOLERANCE[dtype], f"{device} {dtype} tensor {index}: {error:.2e}"
+
+
+def test_adamw_level_1_is_torch_optim_adamw():
+    params, _ = run_steps("native", "cpu", torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES]
+    gradients = [[torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES] for _ in range(5)]
+    reference = [torch.nn.Parameter(p) for p in initial]
+    optimizer = torch.optim.AdamW(reference, foreach=False, **HYPERPARAMETERS)
+    for step_gradients in gradients:
+        for param, gradient in zip(reference, step_gradients):
+            param.grad = gradient
+        optimizer.step()
+    for actual, wanted in zip(params, reference):
+        assert relative_max_error(actual, wanted) <= TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("level", levels.LEVELS)
+def test_adamw_skips_parameters_without_a_gradient_and_counts_steps_per_parameter(level):
+    device = level_devices(level)[0] if level == "triton" else "cpu"
+    trained, frozen = (torch.nn.Parameter(torch.randn(10, device=device)) for _ in range(2))
+    before = frozen.detach().clone()
+    optimizer = levels.build_optimizer(level, [trained, frozen], lr=0.1)
+    for _ in range(3):
+        trained.grad = torch.randn_like(trained)
+        optimizer.step()
+    assert torch.equal(frozen, before) and frozen not in optimizer.state
+    assert optimizer.state[trained]["step"] == 3
+    assert optimizer.state[trained]["exp_avg"].dtype == trained.dtype
+
+
+@pytest.mark.parametrize("hyperparameters,message", [
+    ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+])
+def test_adamw_rejects_hyperparameters_out_of_range(hyperparameters, message):
+    with pytest.raises(ValueError, match=message):
+        levels.build_optimizer("native", [torch.nn.Parameter(torch.randn(3))], **hyperparameters)
+
+
+def test_build_optimizer_takes_level_names_and_numbers():
+    parameter = [torch.nn.Parameter(torch.randn(3))]
+    for number, name in enumerate(levels.LEVELS, start=1):
+        assert type(levels.build_optimizer(number, parameter)) is type(levels.build_optimizer(name, parameter))
+        assert levels.build_optimizer(name, parameter).level == name
