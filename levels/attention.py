@@ -51,6 +51,25 @@ def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return torch.matmul(probabilities, v)
 
 
+def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
+                          window: int, scale: float) -> torch.Tensor:
+    """One new query per sequence over a preallocated cache, the step a CUDA graph replays.
+
+    q is (batch, heads, 1, head_dim); the caches are (batch, heads, capacity, head_dim), of which
+    sequence b has filled its first ``key_lengths[b]`` positions (the new token's included). The count
+    lives on the device, so the same call, with the same shapes and addresses, serves every step.
+    The query sits at the last filled position: it sees every filled key, or with ``window`` > 0 the
+    ``window`` most recent. Positions past the count are masked out, so whatever they hold is ignored."""
+    positions = torch.arange(k_cache.shape[-2], device=q.device)
+    lengths = key_lengths.to(torch.int64).view(-1, 1, 1, 1)
+    visible = positions < lengths
+    if window > 0:
+        visible = visible & (positions >= lengths - window)
+    scores = torch.matmul(q, k_cache.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v_cache)
+
+
 class AttentionSpec(ComponentSpec):
     """Multi-head scaled dot-product attention (no projections: q, k, v come in ready).
 
@@ -154,6 +173,20 @@ class AttentionSpec(ComponentSpec):
                 for name in backends if hasattr(SDPBackend, name)}
 
 
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               key_lengths: torch.Tensor) -> torch.Tensor:
+        """One query per sequence over a static cache (``decode_attention_math`` says what it computes):
+        the generation step that ``levels.gpt`` captures as a CUDA graph. Causal by nature; inference only."""
+        if q.shape[-2] != 1 or q.shape[:2] != k_cache.shape[:2] or k_cache.shape != v_cache.shape:
+            raise ValueError(f"decode takes q of shape (batch, heads, 1, head_dim) and two caches of shape (batch, "
+                             f"heads, capacity, head_dim), got q {tuple(q.shape)}, k {tuple(k_cache.shape)}, "
+                             f"v {tuple(v_cache.shape)}")
+        return self.compute_decode(q, k_cache, v_cache, key_lengths, self.window or 0, self.scale_for(q.shape[-1]))
+
+    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
+        return decode_attention_math(q, k_cache, v_cache, key_lengths, window, scale)
+
+
 class PyTorchSDPA(nn.Module):
     """``F.scaled_dot_product_attention`` on one backend (or a few to choose from). SDPA's ``is_causal`` aligns queries to the
     *start* of the keys, so other masks (end-aligned, windowed) go in as a boolean mask, which some
@@ -200,6 +233,14 @@ class AttentionTorchScript(AttentionSpec):
     def compute(self, q, k, v):
         return _scripted_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
 
+    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
+        return _scripted_decode_attention()(q, k_cache, v_cache, key_lengths, window, scale)
+
+
+@functools.cache
+def _scripted_decode_attention():
+    return torchscript(decode_attention_math)
+
 
 @functools.cache
 def _compiled_attention():
@@ -215,6 +256,14 @@ class AttentionCompiled(AttentionSpec):
     def compute(self, q, k, v):
         return _compiled_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
 
+    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
+        return _compiled_decode_attention()(q, k_cache, v_cache, key_lengths, window, scale)
+
+
+@functools.cache
+def _compiled_decode_attention():
+    return inductor(decode_attention_math)
+
 
 class _AttentionKernel(AttentionSpec):
     """Levels 4 and 5: flash-attention ops; ``backend`` and ``kernel_name`` are set by each level. The
@@ -229,6 +278,9 @@ class _AttentionKernel(AttentionSpec):
 
     def compute(self, q, k, v):
         return self.backend().attention(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
+
+    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
+        return self.backend().decode_attention(q, k_cache, v_cache, key_lengths, window, scale)
 
 
 class AttentionTriton(_AttentionKernel):

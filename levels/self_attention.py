@@ -43,6 +43,65 @@ class KVCache:
         return keys, values
 
 
+class DecodePosition:
+    """Where a static-cache decode stands, on the device, shared by every layer's ``StaticKVCache``:
+    ``position`` (1,) int64, the count of tokens cached before the current step, and ``key_lengths``
+    (batch,) int32, the keys each sequence's new query sees (that count plus one). Kept on the device
+    and advanced by device ops (``begin_step``, ``end_step``), so a captured step replays correctly:
+    a Python int would be frozen into the graph at capture."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.key_lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        if self.position.is_cuda:  # updated in place inside level 3's CUDA graphs too (see StaticKVCache)
+            torch._dynamo.mark_static_address(self.position)
+            torch._dynamo.mark_static_address(self.key_lengths)
+
+    def begin_step(self) -> None:
+        self.key_lengths.copy_(self.position + 1)  # the new token's key is cached before attention reads it
+
+    def end_step(self) -> None:
+        self.position.add_(1)
+
+
+class StaticKVCache:
+    """Keys and values preallocated to ``capacity`` positions, (batch, heads, capacity, head_dim) each,
+    written in place: every decode step then has the same shapes and the same addresses, which CUDA
+    graph capture needs (``KVCache`` grows by concatenation: new tensors at every step). The first call
+    (the prompt) fills positions 0..tokens-1 and attends as usual; every later call is one token,
+    written at ``position.position`` and attended through the attention's ``decode``."""
+
+    def __init__(self, batch: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 position: DecodePosition):
+        device = position.position.device
+        self.keys = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.position = position
+        self.prompt_length: Optional[int] = None
+        if device.type == "cuda":
+            # torch.compile's CUDA graphs (level 3, mode="reduce-overhead") may update these buffers in
+            # place only if it knows their addresses never change.
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+
+    def __len__(self) -> int:
+        """Tokens cached so far (reads the device: for tests and checks, not the decode loop)."""
+        return 0 if self.prompt_length is None else int(self.position.position)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
+        if self.prompt_length is None:
+            tokens = k.shape[-2]
+            self.keys[:, :, :tokens] = k
+            self.values[:, :, :tokens] = v
+            self.prompt_length = tokens
+            return attention(q, k, v)
+        if q.shape[-2] != 1:
+            raise ValueError(f"a static KV cache decodes one token per call after the prompt, got {q.shape[-2]}")
+        self.keys.index_copy_(2, self.position.position, k)
+        self.values.index_copy_(2, self.position.position, v)
+        return attention.decode(q, self.keys, self.values, self.position.key_lengths)
+
+
 def check_heads(n_embd: int, n_head: int) -> int:
     """The head dim, or a clear error when ``n_embd`` does not split into ``n_head`` heads."""
     if n_head <= 0 or n_embd <= 0 or n_embd % n_head != 0:
@@ -77,7 +136,7 @@ class SelfAttentionSpec(ComponentSpec):
         # This level's attention: no parameters, so the state_dict is the same at every level.
         self.attention = attention_component.IMPLEMENTATIONS[self.level or "native"](causal=True, window=window)
 
-    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache | StaticKVCache] = None) -> torch.Tensor:
         self.check_inputs(x)
         return self.compute(x, cache)
 
@@ -97,9 +156,12 @@ class SelfAttentionSpec(ComponentSpec):
         qkv = project(x, self.c_attn.weight, self.c_attn.bias)
         # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views
         q, k, v = qkv.view(batch, tokens, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if cache is not None:
-            k, v = cache.extend(k, v)
-        heads = attention(q, k, v)
+        if isinstance(cache, StaticKVCache):
+            heads = cache.attend(q, k, v, attention)
+        else:
+            if cache is not None:
+                k, v = cache.extend(k, v)
+            heads = attention(q, k, v)
         merged = heads.transpose(1, 2).reshape(batch, tokens, width)
         return project(merged, self.c_proj.weight, self.c_proj.bias)
 

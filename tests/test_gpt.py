@@ -8,6 +8,7 @@ import torch
 
 import levels
 from levels.gpt import TINY
+from levels.self_attention import DecodePosition, StaticKVCache
 from profiling import perturb_parameters_
 from profiling.language_model import CHARACTERS, decode, encode, load_text, random_windows, train
 
@@ -51,6 +52,33 @@ def test_generation_with_kv_cache_matches_recomputing_the_whole_sequence(level, 
             next_token = model(recomputed)[:, -1].argmax(dim=-1, keepdim=True)
             recomputed = torch.cat((recomputed, next_token), dim=1)
     assert torch.equal(model.generate(prompt, max_new_tokens=6), recomputed)
+
+
+@pytest.mark.parametrize("level,device", [device_param(device, level, id_prefix=f"{level}-")
+                                          for level in ALL_LEVELS for device in level_devices(level)])
+def test_static_cache_decoding_gives_the_growing_caches_tokens(level, device):
+    """The static KV cache with its device-side position (a CUDA graph replayed per token on a GPU, the
+    same step run eagerly on the CPU) decodes exactly as the growing cache does, windowed layers too."""
+    for window in (None, 3):
+        torch.manual_seed(1)
+        native = perturb_parameters_(levels.build("gpt", "native", **CONFIG, window=window))
+        model = levels.build("gpt", level, **CONFIG, window=window)
+        model.load_state_dict(native.state_dict())
+        model.to(device).eval()
+        prompt = torch.randint(0, CONFIG["vocab_size"], (3, 4), device=device)
+        growing = model.generate(prompt, max_new_tokens=9, cuda_graph=False)
+        static = model.generate(prompt, max_new_tokens=9, cuda_graph=True)
+        assert torch.equal(static, growing), f"window {window}: {static.tolist()} != {growing.tolist()}"
+
+
+def test_a_static_cache_decodes_one_token_per_call_after_the_prompt():
+    model = tiny_gpt("native")
+    caches = [StaticKVCache(1, 2, CONFIG["block_size"], 32, torch.float32, DecodePosition(1, torch.device("cpu")))
+              for _ in model.h]
+    with torch.no_grad():
+        model.compute(torch.randint(0, 96, (1, 4)), caches)
+        with pytest.raises(ValueError, match="one token per call"):
+            model.compute(torch.randint(0, 96, (1, 2)), caches)
 
 
 def test_sampling_with_temperature_is_reproducible_and_in_range():
