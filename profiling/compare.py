@@ -90,9 +90,11 @@ def compare_optimization_levels(
 
     Args:
         component_or_modules: a component name (``"layer_norm"``) to build every level of it, or a
-            dict ``{name: module}`` of your own modules.
+            dict ``{name: module}`` of your own modules; or ``"adamw"``, the optimizer (one step per
+            level, ``profiling.optimizer_step``).
         input_shape: the shape of the input tensor, e.g. ``(8192, 8192)``; for attention also a tuple
-            of three shapes (q, k, v), e.g. one query over a cache of keys.
+            of three shapes (q, k, v), e.g. one query over a cache of keys; for ``"adamw"`` the shapes
+            of the parameters (``optimizer_step.gpt2_small_parameter_shapes()``).
         dtype, device: default float32 on the GPU if there is one, else the CPU.
         levels: which levels to run (names or 1-5); default all five.
         backward: time forward + backward (gradients of the input and every parameter).
@@ -110,6 +112,11 @@ def compare_optimization_levels(
         memory- or compute-bound. A level that cannot run here (say, bfloat16 on the CPU) gets a row
         whose ``status`` says why instead of numbers.
     """
+    if isinstance(component_or_modules, str) and component_or_modules == "adamw":
+        # An optimizer has no forward to call: its "input" is the parameters, given by their shapes.
+        from .optimizer_step import compare_optimizers
+
+        return compare_optimizers(input_shape, dtype, device, levels, references, budget_s, progress=progress)
     dtype, device = default_device_and_dtype(dtype, device)
     if device.type == "cuda":
         # Blocks cached by earlier comparisons (and CUDA-graph pools) would otherwise crowd out this

@@ -8,7 +8,7 @@ of the first call (compilation, autotuning, the extension's build) kept apart. T
 display name, ``speedup`` is over level 1 (the first level run).
 
     training_throughput(config, (batch, tokens), dtype, device)        forward and loss, backward, AdamW step
-    generation_throughput(config, batch, prompt_tokens, new_tokens, dtype, device)   KV-cache decoding
+    generation_throughput(config, batch, prompt_tokens, new_tokens, dtype, device, cuda_graph)   KV-cache decoding
 
 And what a lesson needs to train the model on real text, offline: a small text that ships with the
 package (``load_text``), a character vocabulary (``encode`` / ``decode``: newline and the 95 printable
@@ -130,6 +130,7 @@ def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, descri
             # decode step's one query, the growing cache) and then generalises to dynamic shapes.
             work(model)
             seconds = statistics.median(time_once(lambda: work(model), device) for _ in range(repeats))
+            row["peak_memory_mb"] = _peak_memory_mb(lambda: work(model), device)
         except Exception as error:  # a level that cannot run here says why in its row, the rest go on
             rows.append({**row, "status": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
             continue
@@ -138,6 +139,19 @@ def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, descri
     if "tokens_per_s" in table:
         table["speedup"] = table["tokens_per_s"] / table["tokens_per_s"].iloc[0]
     return table
+
+
+def _peak_memory_mb(work, device: torch.device) -> float:
+    """The most memory one call holds beyond what lived before it (the model, its optimizer state): a
+    training step's activations, logits and gradients. NaN on the CPU."""
+    if device.type != "cuda":
+        return math.nan
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    work()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype = torch.bfloat16,
@@ -165,10 +179,14 @@ def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype =
 
 def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_tokens: int,
                           dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
-                          levels: Iterable[str | int] | None = None, repeats: int = 3) -> pd.DataFrame:
+                          levels: Iterable[str | int] | None = None, repeats: int = 3,
+                          cuda_graph: bool = False) -> pd.DataFrame:
     """New tokens per second of greedy decoding with a KV cache: ``batch`` prompts of ``prompt_tokens``
-    random tokens, each continued by ``new_tokens``. The column ``same_tokens_as_level_1`` says whether
-    the level chose exactly level 1's tokens (expected in float32; half precision may round apart)."""
+    random tokens, each continued by ``new_tokens``, every kernel launched from Python (``cuda_graph``
+    False) or each decode step replayed as one CUDA graph (``GPTSpec.generate``'s ``cuda_graph``; the
+    capture is part of every timed call, as it is of every call a user makes). The column
+    ``same_tokens_as_level_1`` says whether the level chose exactly level 1's tokens (expected in
+    float32; half precision may round apart)."""
     device = torch.device(device)
     if prompt_tokens + new_tokens > config["block_size"]:
         raise ValueError(f"{prompt_tokens} + {new_tokens} tokens exceed block_size={config['block_size']}")
@@ -178,14 +196,15 @@ def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_toke
     outputs = {}
 
     def generate(model):
-        outputs[id(model)] = model.generate(prompt, new_tokens)
+        outputs[id(model)] = model.generate(prompt, new_tokens, cuda_graph=cuda_graph)
 
     table = _timed_rows(models, generate, batch * new_tokens, device, repeats, f"generation, batch {batch}")
     native = outputs.get(id(next(iter(models.values()))))
     table["same_tokens_as_level_1"] = [
         bool(native is not None and id(model) in outputs and torch.equal(outputs[id(model)], native))
         for model in models.values()]
-    table.attrs.update(what=f"generation batch {batch}", shape=(batch, prompt_tokens + new_tokens),
+    table.attrs.update(what=f"generation batch {batch}" + (", CUDA graph" if cuda_graph else ""),
+                       shape=(batch, prompt_tokens + new_tokens),
                        dtype=str(dtype).removeprefix("torch."), device=str(device), config=config)
     return table
 
@@ -193,9 +212,9 @@ def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_toke
 def format_throughput(table: pd.DataFrame) -> str:
     """The table as text: level, ms, tokens/s, speedup (and token agreement for generation)."""
     columns = [c for c in ("title", "median_ms", "tokens_per_s", "speedup", "same_tokens_as_level_1",
-                           "first_call_s", "status") if c in table]
+                           "peak_memory_mb", "first_call_s", "status") if c in table]
     formats = {"median_ms": "{:.2f}".format, "tokens_per_s": "{:,.0f}".format, "speedup": "{:.2f}×".format,
-               "first_call_s": "{:.1f}".format}
+               "peak_memory_mb": "{:,.0f}".format, "first_call_s": "{:.1f}".format}
     shown = table[columns].copy()
     for column, formatter in formats.items():
         if column in shown:

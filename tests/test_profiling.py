@@ -176,6 +176,26 @@ def test_targets_read_eager_times_with_graph_replay_beside_them():
     assert math.isnan(Target("case", "triton", 1.0, "F.silu").measure(tables))
 
 
+def test_a_memory_target_compares_peak_memory_and_has_no_graph_replay_twin():
+    table = synthetic_table("memory", pct=50.0)
+    tables = {"case": table.assign(peak_memory_mb=[300.0, 1000.0], level=["cuda", "native"])}
+    lighter = Target("case", "cuda", 0.25, "native", at_most=True, column="peak_memory_mb")
+    assert lighter.measure(tables) == pytest.approx(0.3) and lighter.met(0.3) == "**no**"
+    assert math.isnan(lighter.measure(tables, "graph_ms"))
+    assert "peak memory mb ≤ 0.25×" in lighter.describe()
+
+
+def test_adamw_compares_one_step_per_level_against_pytorchs_adamw():
+    shapes = ((33, 7), (1000,), (1,))
+    table = compare_optimization_levels("adamw", shapes, torch.float32, "cpu", levels=["native", "compile"],
+                                        budget_s=0.05, progress=False)
+    assert list(table["level"]) == ["native", "compile", "torch.optim.AdamW(foreach=True)",
+                                    "torch.optim.AdamW(fused=True)"]
+    assert (table["status"] == "ok").all() and table["within_tolerance"].all()
+    assert table.attrs["bytes_moved"] == 7 * (33 * 7 + 1000 + 1) * 4  # p, g, m, v read; p, m, v written
+    assert table.attrs["bound"] == "memory" and "1,232 values" in table.attrs["input_shape"]
+
+
 def test_the_command_line_says_what_it_will_do_prints_the_table_and_writes_csv_and_png(tmp_path, capsys):
     csv, png = tmp_path / "comparison.csv", tmp_path / "comparison.png"
     status = main(["--component", "swish", "layer_norm", "--shape", "8", "32", "--device", "cpu", "--levels", "1", "3",
