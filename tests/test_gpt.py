@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import levels
+from levels.attention import decode_attention_math
 from levels.gpt import TINY
+from levels.spec import LEVEL_DTYPES
 from levels.self_attention import DecodePosition, StaticKVCache
 from profiling import perturb_parameters_
 from profiling.language_model import CHARACTERS, decode, encode, load_text, random_windows, train
@@ -69,6 +71,26 @@ def test_static_cache_decoding_gives_the_growing_caches_tokens(level, device):
         growing = model.generate(prompt, max_new_tokens=9, cuda_graph=False)
         static = model.generate(prompt, max_new_tokens=9, cuda_graph=True)
         assert torch.equal(static, growing), f"window {window}: {static.tolist()} != {growing.tolist()}"
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_over_a_static_cache_matches_the_masked_math(level, device, window):
+    """Levels 4 and 5 read each sequence's count of filled keys from the device and visit only those;
+    level 1's math masks the whole cache. q comes strided, as heads split off the fused projection."""
+    attention = levels.build("attention", level, causal=True, window=window or None)
+    for dtype in LEVEL_DTYPES[level][device]:
+        batch, heads, capacity, head_dim = 3, 2, 150, 64
+        projection = torch.randn(batch, 1, 3, heads, head_dim, dtype=dtype, device=device)
+        q = projection.permute(2, 0, 3, 1, 4)[0]
+        k_cache, v_cache = (torch.randn(batch, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(2))
+        key_lengths = torch.tensor([1, 77, capacity], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            out = attention.decode(q, k_cache, v_cache, key_lengths)
+        expected = decode_attention_math(*(t.double() for t in (q, k_cache, v_cache)), key_lengths, window,
+                                         head_dim ** -0.5)
+        assert out.shape == (batch, heads, 1, head_dim) and out.dtype == dtype
+        assert levels.relative_max_error(out, expected) <= levels.TOLERANCE[dtype], dtype
 
 
 def test_a_static_cache_decodes_one_token_per_call_after_the_prompt():

@@ -5,28 +5,37 @@
     softmax(x)                                 -> y     (triton_kernels/softmax.py)
     attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
                                                          kernels in attention_forward.py, attention_backward.py)
+    decode_attention(q, k_cache, v_cache,      -> o     (triton_kernels/attention_decode.py: one query per
+                     key_lengths, window, scale)         sequence over a static KV cache; inference only)
     linear(x2d, weight, bias)                  -> y     (triton_kernels/feed_forward.py: matmul with a fused
                                                          epilogue, kernels in matmul.py)
     feed_forward(x2d, fc_weight, fc_bias,      -> y     (triton_kernels/feed_forward.py: GPT-2's MLP, bias and
                  proj_weight, proj_bias)                 GELU in the matmul epilogues, gelu' in the backward's)
+    linear_cross_entropy(hidden, weight,       -> loss  (triton_kernels/linear_cross_entropy.py: LM head and
+                         targets, ignore_index)          cross-entropy fused, the logits never whole in memory)
+    adamw_step(params, grads, exp_avgs,        -> None  (triton_kernels/adamw.py: AdamW over every parameter
+               exp_avg_sqs, lr, beta1, beta2,            in one launch, in place)
+               eps, weight_decay, step)
 
 Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
 ``layer_norm_forward``, ``layer_norm_backward``, ``softmax_forward``, ``softmax_backward``,
 ``attention_forward``, ``attention_backward``, ``linear_forward``, ``linear_backward``,
-``feed_forward_forward`` and ``feed_forward_backward``, each with a fake (shape-only) implementation for
-torch.compile and an autograd formula. On a machine without a GPU the same kernels run through
-Triton's interpreter, on CPU tensors: correct, and slow.
+``feed_forward_forward``, ``feed_forward_backward``, ``linear_cross_entropy_forward`` and
+``linear_cross_entropy_backward``, each with a fake (shape-only) implementation for torch.compile and an
+autograd formula; and ``adamw_step`` (which updates its lists in place) and ``decode_attention``, each
+with a fake and no gradient. On a machine without a GPU the same kernels run through Triton's
+interpreter, on CPU tensors: correct, and slow.
 
 Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax``,
-``attention``, ``linear`` and ``feed_forward`` call the registered ops, which is what lets Inductor
-place our kernels in its graph. Called eagerly, they go through a plain ``torch.autograd.Function`` (or,
-when no gradient is wanted, straight to the launcher): a custom-op call crosses the dispatcher twice
-and runs Python wrappers on the way, and at decode sizes the GPU finishes a kernel before the host has
-launched the next one, so those wrappers are the time of the call. ``torch.library.triton_op`` with
-``wrap_triton`` (in torch since 2.6, so in 2.11 and 2.13) would be a third way to register: it is a
-custom op too, so its eager calls pay the same dispatcher crossing (plus a context manager), and its
-gain is under torch.compile, where Inductor traces into the kernels. It would not make eager calls
-cheaper, so the two doors stay. Both run the same kernels.
+``attention``, ``linear``, ``feed_forward``, ``linear_cross_entropy`` and ``adamw_step`` call the
+registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
+through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the launcher): a
+custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and at decode sizes the
+GPU finishes a kernel before the host has launched the next one, so those wrappers are the time of the
+call. ``torch.library.triton_op`` with ``wrap_triton`` (in torch since 2.6, so in 2.11 and 2.13) would be
+a third way to register: it is a custom op too, so its eager calls pay the same dispatcher crossing (plus
+a context manager), and its gain is under torch.compile, where Inductor traces into the kernels. It would
+not make eager calls cheaper, so the two doors stay. Both run the same kernels.
 
 Where the checks run. A launcher checks what reaches it (the ops and the package functions take
 anything a caller passes). A level module's forward checks the user's arguments first, so that its
@@ -68,10 +77,14 @@ if not torch.cuda.is_available():
     print("triton_kernels: no CUDA GPU found, so Triton's interpreter runs the level-4 kernels on the CPU "
           "(correct, but slowly)", file=sys.stderr)
 
-from .attention import attention  # noqa: E402  (after the switch above, on purpose)
+from .adamw import adamw_step  # noqa: E402  (after the switch above, on purpose)
+from .attention import attention  # noqa: E402
+from .attention_decode import decode_attention  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
+from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .softmax import softmax  # noqa: E402
 from .swish import swish  # noqa: E402
 
-__all__ = ["attention", "feed_forward", "layer_norm", "linear", "softmax", "swish"]
+__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear", "linear_cross_entropy",
+           "softmax", "swish"]

@@ -1,4 +1,5 @@
-"""A tiled matmul in Triton with fused epilogues, and a column sum: the kernels of ``linear`` and ``feed_forward``.
+"""A tiled matmul in Triton with fused epilogues, and a column sum: the kernels of ``linear``, ``feed_forward``
+and ``linear_cross_entropy``.
 
 What it computes
     ``_matmul_kernel``        C = A·B for A (M, K) and B (K, N) of any strides, so that transposed
@@ -8,6 +9,9 @@ What it computes
             gelu                              C = gelu_tanh(A·B (+ bias))
             gelu_saving_pre_activation        H = A·B (+ bias) and C = gelu_tanh(H), both stored
             gelu_backward                     C = A·B · gelu_tanh'(H), H read from the saved tensor
+            accumulate                        C += A·B, C read before the store: a sum over several
+                                              launches (linear_cross_entropy's weight gradient,
+                                              chunk by chunk), in float32 while A and B are 16-bit
     ``_column_sum_kernel``    the sums down the columns of a (rows, N) matrix: bias gradients
 
 The one idea that makes it fast
@@ -82,6 +86,7 @@ class Epilogue:
     GELU = "gelu"
     GELU_SAVING_PRE_ACTIVATION = "gelu_saving_pre_activation"
     GELU_BACKWARD = "gelu_backward"
+    ACCUMULATE = "accumulate"
 
 
 # --- tiles: the one place that chooses them ---------------------------------------------------------------
@@ -243,6 +248,8 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, 
         tl.store(PreActivation + offsets, acc.to(PreActivation.dtype.element_ty), mask=mask)
     if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
         acc = _gelu_tanh(acc)
+    if EPILOGUE == "accumulate":
+        acc += tl.load(C + offsets, mask=mask, other=0.0).to(COMPUTE)
     tl.store(C + offsets, acc.to(C.dtype.element_ty), mask=mask)
 
 
@@ -252,6 +259,8 @@ _matmul_autotuned = triton.autotune(
     # Tensor arguments' dtypes join the key by themselves; the strides tell transposed layouts apart.
     key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "EPILOGUE", "HAS_BIAS"],
     prune_configs_by={"early_config_prune": _tiles_worth_timing},
+    # ACCUMULATE reads C: every timing run would add A·B into it once more, so C is put back after timing.
+    restore_value=["C"],
 )(_matmul_kernel)
 
 
@@ -267,15 +276,18 @@ def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
-                  pre_activation: torch.Tensor | None = None) -> torch.Tensor:
-    """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype. ``a`` and ``b``
-    may be any strided views. ``pre_activation`` is the (M, N) tensor H: written by
-    GELU_SAVING_PRE_ACTIVATION, read by GELU_BACKWARD.
+                  pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype, or into ``out``,
+    a contiguous (M, N) tensor of any float dtype (ACCUMULATE adds to it). ``a`` and ``b`` may be any
+    strided views. ``pre_activation`` is the (M, N) tensor H: written by GELU_SAVING_PRE_ACTIVATION,
+    read by GELU_BACKWARD.
 
-    Unchecked: the callers (feed_forward.py's launchers) check their inputs once for all of their
-    matmuls. Host time bounds a small feed-forward step, and six matmuls' checks would be part of it."""
+    Unchecked: the callers (the launchers of feed_forward.py and linear_cross_entropy.py) check their
+    inputs once for all of their matmuls. Host time bounds a small feed-forward step, and six matmuls'
+    checks would be part of it."""
     (M, K), N = a.shape, b.shape[1]
-    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return out
     args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride())
