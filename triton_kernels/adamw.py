@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .launch import (
+    ELEMENT_TYPE,
     ELEMENTWISE_BLOCK,
     cdiv,
     check_contiguous,
@@ -66,10 +67,6 @@ from .launch import (
     on_device,
     split_float,
 )
-
-_ELEMENT_TYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-                 torch.float64: tl.float64}
-"""The Triton type an address from the tables points to."""
 
 # --- input checks ---------------------------------------------------------------------------------------
 
@@ -169,7 +166,7 @@ def _launch_adamw_group(params, grads, exp_avgs, exp_avg_sqs, hyperparameters) -
     grad_addresses = _cached_grad_addresses(params[0].device, tuple(map(data_ptr, grads)))
     with on_device(params[0]):
         launch(_adamw_kernel, (programs.shape[0],), programs, addresses, grad_addresses, numels, len(params),
-               *_halves(hyperparameters, dtype), BLOCK=ELEMENTWISE_BLOCK, ELEMENT=_ELEMENT_TYPE[dtype],
+               *_halves(hyperparameters, dtype), BLOCK=ELEMENTWISE_BLOCK, ELEMENT=ELEMENT_TYPE[dtype],
                COMPUTE=compute_dtype(dtype), num_warps=4)
 
 

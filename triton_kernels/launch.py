@@ -78,6 +78,12 @@ def require(condition, message) -> None:
         torch._check(condition, message)
 
 
+def require_value(condition, message) -> None:
+    """``require`` raising ValueError (torch._check_value): for sizes that do not fit together."""
+    if condition is not True:
+        torch._check_value(condition, message)
+
+
 def check_contiguous(op: str, *tensors: torch.Tensor) -> None:
     """The kernels index memory linearly. Also called by the fake implementations, where
     ``is_contiguous()`` may be a symbolic answer that ``require`` hands to torch._check."""
@@ -128,6 +134,12 @@ def row_matrix(op: str, x: torch.Tensor) -> tuple[int, int]:
 def compute_dtype(dtype: torch.dtype):
     """Arithmetic precision inside a kernel: float32 for every input type, float64 for float64 inputs."""
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+ELEMENT_TYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                torch.float64: tl.float64}
+"""The Triton type of a tensor's elements, for a kernel that builds pointers from addresses (a pointer
+table) instead of receiving tensors, whose type Triton reads itself."""
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

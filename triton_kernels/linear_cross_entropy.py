@@ -64,6 +64,7 @@ from .launch import (
     launch,
     next_power_of_2,
     on_device,
+    require_value,
 )
 from .matmul import Epilogue, launch_column_sum, launch_matmul
 
@@ -79,12 +80,6 @@ chunk's matmuls have a partial tile-row."""
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
-def _require_value(condition, message) -> None:
-    """``launch.require`` raising ValueError (torch._check_value), for shapes that do not fit."""
-    if condition is not True:
-        torch._check_value(condition, message)
-
-
 def _check_linear_cross_entropy_shapes(op: str, hidden: torch.Tensor, weight: torch.Tensor,
                                        targets: torch.Tensor) -> None:
     """hidden (T, C), weight (V, C) of hidden's dtype, targets int64 (T,) and contiguous."""
@@ -92,14 +87,14 @@ def _check_linear_cross_entropy_shapes(op: str, hidden: torch.Tensor, weight: to
         raise ValueError(f"{op}: hidden must be a (tokens, C) matrix, got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"{op}: weight must be (V, C), one row per class, got shape {tuple(weight.shape)}")
-    _require_value(hidden.shape[1] == weight.shape[1],
+    require_value(hidden.shape[1] == weight.shape[1],
                    lambda: f"{op}: hidden has C = {hidden.shape[1]} features but weight (V, C) has "
                            f"C = {weight.shape[1]}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{op}: hidden is {hidden.dtype} but weight is {weight.dtype}: they must match")
     if targets.dtype != torch.int64:
         raise TypeError(f"{op}: targets must be int64 class indices, got {targets.dtype}")
-    _require_value(targets.dim() == 1 and targets.shape[0] == hidden.shape[0],
+    require_value(targets.dim() == 1 and targets.shape[0] == hidden.shape[0],
                    lambda: f"{op}: targets must be ({hidden.shape[0]},), one class per row of hidden, "
                            f"got shape {tuple(targets.shape)}")
     check_contiguous(op, targets)
@@ -107,7 +102,7 @@ def _check_linear_cross_entropy_shapes(op: str, hidden: torch.Tensor, weight: to
 
 def _check_backward_shapes(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor) -> None:
     op = "linear_cross_entropy_backward"
-    _require_value(grad_loss.dim() == 0, lambda: f"{op}: grad_loss must be a scalar, got {tuple(grad_loss.shape)}")
+    require_value(grad_loss.dim() == 0, lambda: f"{op}: grad_loss must be a scalar, got {tuple(grad_loss.shape)}")
     if grad_weight.dtype != grad_hidden.dtype:
         raise TypeError(f"{op}: grad_hidden is {grad_hidden.dtype} but grad_weight is {grad_weight.dtype}")
     check_contiguous(op, grad_hidden, grad_weight)
