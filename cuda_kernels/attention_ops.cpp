@@ -4,6 +4,7 @@
 //
 //   attention_forward(q, k, v, causal, window, scale)                 -> (out, lse)
 //   attention_backward(grad_out, q, k, v, out, lse, causal, window, scale) -> (grad_q, grad_k, grad_v)
+//   decode_attention(q, k_cache, v_cache, key_lengths, window, scale)   -> out   (inference only)
 //
 // q is (B, H, Lq, D), k and v (B, H, Lk, D); query i sits at key position i + Lk - Lq. lse, the log of
 // each softmax's denominator (B, H, Lq, in the accumulator type), is an output so that the backward can
@@ -153,6 +154,46 @@ TensorPair attention_forward_autograd(const at::Tensor& q, const at::Tensor& k, 
   return {outputs[0], outputs[1]};
 }
 
+// One query per sequence over a static KV cache (attention_decode.cu): the decode step a CUDA graph
+// replays. key_lengths lives on the device and is read by the kernel, so it is not checked here (a
+// value outside [0, capacity] is clamped). Inference only: no autograd formula.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& key_lengths, int64_t window, double scale) {
+  const char* op = "decode_attention";
+  const DType dtype = kernel_dtype(op, q);
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.sym_size(2) == 1, "cuda_kernels::", op,
+                    ": q must be (batch, heads, 1, head_dim), got shape ", q.sym_sizes());
+  const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), d = q.sym_size(3);
+  const c10::SymInt capacity = k_cache.dim() == 4 ? k_cache.sym_size(2) : c10::SymInt(-1);
+  check_argument(op, "k_cache", k_cache, q, q.scalar_type(), {batch, heads, capacity, d});
+  check_argument(op, "v_cache", v_cache, q, q.scalar_type(), {batch, heads, capacity, d});
+  check_argument(op, "key_lengths", key_lengths, q, at::kInt, {batch});
+  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
+                    " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
+  TORCH_CHECK_VALUE(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
+  at::Tensor out = at::empty_symint({batch, heads, 1, d}, q.options());
+  if (q.is_meta() || out.numel() == 0) return out;
+  // q may be the heads of the fused projection, strided in batch and head: read in place when its rows
+  // are contiguous and 16-byte aligned (always, for a projection of whole heads), else copied once.
+  const bool in_place = q.stride(3) == 1 && q.stride(1) % (16 / q.element_size()) == 0 &&
+                        q.stride(0) % (16 / q.element_size()) == 0 && reinterpret_cast<uintptr_t>(q.const_data_ptr()) % 16 == 0;
+  const at::Tensor query = in_place ? q : q.contiguous();
+  const at::Tensor keys = k_cache.contiguous(), values = v_cache.contiguous(), lengths = key_lengths.contiguous();
+  check_aligned_16(op, {&keys, &values});
+  const DecodeShape shape{q.size(0), q.size(1), k_cache.size(2), q.size(3), query.stride(0), query.stride(1), window, scale};
+  run_on_device_of(
+      query,
+      [&](void* stream) {
+        launch_attention_decode(dtype, shape, query.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
+                                lengths.const_data_ptr<int32_t>(), out.mutable_data_ptr(), stream);
+      },
+      [&] {
+        attention_decode_cpu(dtype, shape, query.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
+                             lengths.const_data_ptr<int32_t>(), out.mutable_data_ptr());
+      });
+  return out;
+}
+
 }  // namespace
 }  // namespace kernel_ladder
 
@@ -163,4 +204,6 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   kernel_ladder::impl_differentiable<&kernel_ladder::attention_forward, &kernel_ladder::attention_backward,
                                      &kernel_ladder::attention_forward_autograd>(m, "attention_forward",
                                                                                  "attention_backward");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_lengths, int window, float scale) -> Tensor");
+  kernel_ladder::impl_on_every_device<&kernel_ladder::decode_attention>(m, "decode_attention");
 }

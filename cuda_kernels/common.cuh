@@ -168,6 +168,28 @@ struct Add {
 template <typename A>
 __device__ __forceinline__ A block_sum(A value) { return block_reduce(value, Add{}); }
 
+// --- the online softmax's statistics (softmax.cu, linear_cross_entropy.cu) ----------------------------
+// A row's statistics: the largest value seen and the sum of exp(value - max). Pairs merge exactly,
+// (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)) with M = max(m, m'), so a row's max and sum
+// cross a warp or a block in one reduction, and a row of any length streams through in one pass. The
+// defaults are the identity of `merge` (block_reduce pads with T{}).
+template <typename A>
+struct MaxSum {
+  A max = -INFINITY;
+  A sum = 0;
+};
+
+template <typename A>
+__device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
+  const A max = a.max > b.max ? a.max : b.max;
+  if (max == A(-INFINITY)) return a;  // both empty: exp(-inf - -inf) would be NaN
+  return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
+}
+
+struct Merge {
+  template <typename A> __device__ __forceinline__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
+};
+
 // --- dtype switch --------------------------------------------------------------------------------
 // Calls fn(T{}) with T the C++ type of `dtype`; fn is a generic lambda that reads T back with decltype.
 template <typename Fn>

@@ -27,8 +27,39 @@ struct AttentionShape {
   double scale;  // multiplies q.k
 };
 
+// One decode-attention call (attention_decode.cu): q (batch, heads, 1, head_dim), rows of head_dim
+// contiguous at q + b * q_stride_batch + h * q_stride_head (heads may be views of a fused projection);
+// caches (batch, heads, capacity, head_dim) contiguous, of which sequence b has filled key_lengths[b]
+// positions (read on the device); `window` > 0 keeps the `window` most recent of them.
+struct DecodeShape {
+  int64_t batch, heads, capacity, head_dim, q_stride_batch, q_stride_head, window;
+  double scale;  // multiplies q.k
+};
+
+// One AdamW step's tensors: `count` lists of four (param, grad, exp_avg, exp_avg_sq) of one dtype,
+// numels[i] > 0 values each. params, exp_avgs and exp_avg_sqs are updated in place.
+struct AdamWTensors {
+  void* const* params;
+  const void* const* grads;
+  void* const* exp_avgs;
+  void* const* exp_avg_sqs;
+  const int64_t* numels;
+  int64_t count;
+};
+
+// The step's numbers, computed once on the host in double (adamw_ops.cpp) from lr, the betas, eps,
+// weight_decay and the 1-based step.
+struct AdamWFactors {
+  double decay;                  // 1 - lr * weight_decay
+  double one_minus_beta1;        // how far exp_avg moves toward grad
+  double beta2, one_minus_beta2;
+  double eps;
+  double step_size;              // lr / (1 - beta1^step)
+  double bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+
 // --- CUDA launchers (swish.cu, layer_norm.cu, softmax.cu, attention_forward.cu, attention_backward.cu,
-// feed_forward.cu) ---
+// feed_forward.cu, linear_cross_entropy.cu, adamw.cu) ---
 // They enqueue on `stream` and return without waiting.
 // The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
 
@@ -73,6 +104,11 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream);
 
+// out (batch, heads, 1, head_dim) = softmax(q k^T * scale) v over each sequence's filled keys (see
+// DecodeShape); key_lengths is an int32 device array; no visible key gives zeros.
+void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache,
+                             const void* v_cache, const int32_t* key_lengths, void* out, void* stream);
+
 // The work around the feed-forward block's matmuls (ops.cpp runs those with cuBLAS through ATen).
 // a = gelu_tanh(h), elementwise over numel values.
 void launch_gelu_forward(DType dtype, const void* pre_activation, void* activation, int64_t numel, void* stream);
@@ -88,8 +124,26 @@ void launch_column_sum(DType dtype, const void* matrix, void* sums, void* worksp
 void launch_gelu_backward(DType dtype, void* grad, const void* pre_activation, void* grad_bias, void* workspace,
                           int64_t strips, int64_t rows, int64_t n, void* stream);
 
+// The fused LM head + cross-entropy around its matmuls (linear_cross_entropy_ops.cpp runs those).
+// logits (rows, n) holds one chunk of hidden @ weight^T. Row r's loss term, logsumexp(logits[r]) -
+// logits[r][targets[r]], goes to row_losses[r] (accumulator type), 0 where targets[r] == ignore_index.
+// With write_gradient the row is overwritten in place with (softmax(row) - onehot(target)) * scale,
+// zeros for an ignored row. Every other target is in [0, n) (the binding checked it).
+void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
+                               int64_t n, int64_t ignore_index, double scale, bool write_gradient, void* stream);
+// loss (one accumulator-type value) = the sum of row_losses (rows values) * inverse_count, summed in
+// one fixed order: the same bits on every run.
+void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count, void* stream);
+// out = x * factor[0], elementwise over numel values; factor is one accumulator-type value in device
+// memory (the loss's gradient, read there: no copy to the host, no wait).
+void launch_scale_by_device_scalar(DType dtype, const void* x, const void* factor, void* out, int64_t numel,
+                                   void* stream);
+
+// One AdamW step over every tensor, in as few launches as the kernel-argument limit allows (adamw.cu).
+void launch_adamw_step(DType dtype, const AdamWTensors& tensors, const AdamWFactors& factors, void* stream);
+
 // --- C++ CPU twins (swish_cpu.cpp, layer_norm_cpu.cpp, softmax_cpu.cpp, attention_cpu.cpp,
-// feed_forward_cpu.cpp) ---
+// feed_forward_cpu.cpp, linear_cross_entropy_cpu.cpp, adamw_cpu.cpp) ---
 // OpenMP, float32 and float64 only.
 
 void swish_forward_cpu(DType dtype, const void* x, void* y, int64_t numel, double beta);
@@ -105,11 +159,18 @@ void softmax_forward_cpu(DType dtype, const void* x, void* y, int64_t rows, int6
 void softmax_backward_cpu(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n);
 void attention_forward_cpu(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                            void* out, void* lse);
+void attention_decode_cpu(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache, const void* v_cache,
+                          const int32_t* key_lengths, void* out);
 void attention_backward_cpu(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                             const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                             void* grad_k, void* grad_v);
 void gelu_forward_cpu(DType dtype, const void* pre_activation, void* activation, int64_t numel);
 void column_sum_cpu(DType dtype, const void* matrix, void* sums, int64_t rows, int64_t n);
 void gelu_backward_cpu(DType dtype, void* grad, const void* pre_activation, void* grad_bias, int64_t rows, int64_t n);
+void cross_entropy_rows_cpu(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows, int64_t n,
+                            int64_t ignore_index, double scale, bool write_gradient);
+void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count);
+void scale_by_device_scalar_cpu(DType dtype, const void* x, const void* factor, void* out, int64_t numel);
+void adamw_step_cpu(DType dtype, const AdamWTensors& tensors, const AdamWFactors& factors);
 
 }  // namespace kernel_ladder

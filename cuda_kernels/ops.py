@@ -5,11 +5,19 @@
     softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
                                                      attention_cpu.cpp, attention_ops.cpp)
+    decode_attention(q, k_cache, v_cache,     -> o  (attention_decode.cu, attention_cpu.cpp, attention_ops.cpp:
+                     key_lengths, window, scale)     one query per sequence over a static KV cache)
     linear(x2d, weight, bias)                 -> y  (cuBLAS through ATen; the bias gradient in
                                                      feed_forward.cu, feed_forward_cpu.cpp, feed_forward_ops.cpp)
     feed_forward(x2d, fc_weight, fc_bias,
                  proj_weight, proj_bias)      -> y  (cuBLAS through ATen around feed_forward.cu,
                                                      feed_forward_cpu.cpp, feed_forward_ops.cpp)
+    linear_cross_entropy(hidden, weight,
+                         targets, ignore_index) -> loss  (cuBLAS through ATen around linear_cross_entropy.cu,
+                                                     linear_cross_entropy_cpu.cpp, linear_cross_entropy_ops.cpp)
+    adamw_step(params, grads, exp_avgs,
+               exp_avg_sqs, lr, beta1, beta2,
+               eps, weight_decay, step)       -> None, in place  (adamw.cu, adamw_cpu.cpp, adamw_ops.cpp)
 
 Importing this module compiles the extension the first time (``torch.utils.cpp_extension.load``:
 ninja, then cached in PyTorch's extensions folder, so later imports only load it; a build is announced
@@ -197,8 +205,11 @@ _swish_forward = _ops.swish_forward.default
 _layer_norm_forward = _ops.layer_norm_forward.default
 _softmax_forward = _ops.softmax_forward.default
 _attention_forward = _ops.attention_forward.default
+_decode_attention = _ops.decode_attention.default
 _linear_forward = _ops.linear_forward.default
 _feed_forward_forward = _ops.feed_forward_forward.default
+_linear_cross_entropy_forward = _ops.linear_cross_entropy_forward.default
+_adamw_step = _ops.adamw_step.default
 
 
 def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
@@ -224,6 +235,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     return _attention_forward(q, k, v, causal, window, scale)[0]
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
+                     window: int, scale: float) -> torch.Tensor:
+    """One query per sequence, q (B, H, 1, D), over the first ``key_lengths[b]`` (an int32 device
+    tensor) positions of static caches (B, H, capacity, D): the decode step a CUDA graph replays.
+    Inference only."""
+    return _decode_attention(q, k_cache, v_cache, key_lengths, window, scale)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) of x (rows, K) and an nn.Linear weight (N, K), differentiable: the matmuls are
     cuBLAS's through ATen (bias in its epilogue), the bias gradient our column-sum kernel."""
@@ -239,4 +258,28 @@ def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor
     return _feed_forward_forward(x, fc_weight, fc_bias, proj_weight, proj_bias)[0]
 
 
-__all__ = ["attention", "feed_forward", "layer_norm", "linear", "softmax", "swish"]
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         chunk_rows: int = 0) -> torch.Tensor:
+    """The mean cross-entropy of the logits hidden @ weight^T, hidden (T, C) and weight (V, C), against
+    int64 targets (T,), over the tokens whose target is not ``ignore_index``; differentiable in hidden and
+    weight. The (T, V) logits are never whole in memory: ``chunk_rows`` tokens at a time (0 chooses about
+    2^27 logits a chunk). The gradients are made in the forward and kept in the autograd graph. The loss
+    is a 0-dim float32 tensor (float64 for float64 inputs); with no valid token it is 0, and the
+    gradients are zeros."""
+    return _linear_cross_entropy_forward(hidden, weight, targets, ignore_index, False, chunk_rows)[0]
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float, step: int) -> None:
+    """One torch.optim.AdamW step (amsgrad and maximize off) over every tensor, in place: params,
+    exp_avgs and exp_avg_sqs are updated; ``step`` is the 1-based count, this step included. Call it
+    under ``torch.no_grad()``, as torch.optim does. All tensors contiguous and on one device, each
+    state tensor shaped and typed as its parameter."""
+    if not (params or grads or exp_avgs or exp_avg_sqs):
+        return  # no tensor for the dispatcher to choose a kernel by, and nothing to update
+    _adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
+
+
+__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear", "linear_cross_entropy",
+           "softmax", "swish"]

@@ -50,25 +50,6 @@ constexpr int kSoftmaxMaxThreads = 512;
 constexpr int kPacksPerThread = 8;
 constexpr int64_t kSharedRowBytes = 64 * 1024;  // the largest row the shared-memory kernel stages
 
-// A row's statistics: the largest value seen and the sum of exp(value - max). The defaults are the
-// identity of `merge` (block_reduce pads with T{}).
-template <typename A>
-struct MaxSum {
-  A max = -INFINITY;
-  A sum = 0;
-};
-
-template <typename A>
-__device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
-  const A max = a.max > b.max ? a.max : b.max;
-  if (max == A(-INFINITY)) return a;  // both empty: exp(-inf - -inf) would be NaN
-  return {max, a.sum * exp_acc(a.max - max) + b.sum * exp_acc(b.max - max)};
-}
-
-struct Merge {
-  template <typename A> __device__ __forceinline__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
-};
-
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kRowsPerWarpBlock * kWarpSize)
 softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n) {

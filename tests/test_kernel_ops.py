@@ -68,6 +68,17 @@ def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_linear_cross_entropy_passes_float64_gradcheck_over_several_chunks(level, device):
+    backend = NAMESPACES[level][1]()
+    hidden = torch.randn(7, 5, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, device=device, requires_grad=True)
+    targets = torch.tensor([0, 10, -100, 3, 3, 7, 1], device=device)
+    for chunk_rows in (0, 3):  # one chunk; three chunks, the last one short
+        assert torch.autograd.gradcheck(lambda h, w: backend.linear_cross_entropy(h, w, targets, -100, chunk_rows),
+                                        (hidden, weight), fast_mode=True)
+
+
 def op_samples(namespace, device, dtype):
     """(op name, args) for every op of a backend, on fresh random tensors."""
     x = torch.randn(6, 37, device=device, dtype=dtype)
@@ -82,6 +93,8 @@ def op_samples(namespace, device, dtype):
     proj_weight, proj_bias = torch.randn(37, 29, device=device, dtype=dtype), torch.randn(37, device=device, dtype=dtype)
     ops = getattr(torch.ops, namespace)
     _, pre_activation, activation = ops.feed_forward_forward(x, fc_weight, fc_bias, proj_weight, proj_bias)
+    targets = torch.tensor([3, 28, 0, -100, 11, 7], device=device)
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     mean = x.to(statistics_dtype).mean(-1)
     rstd = torch.rsqrt(x.to(statistics_dtype).var(-1, unbiased=False) + 1e-5)
     return [
@@ -107,6 +120,16 @@ def op_samples(namespace, device, dtype):
         ("feed_forward_forward", tuple(t.clone().requires_grad_(True)
                                        for t in (x, fc_weight, fc_bias, proj_weight, proj_bias))),
         ("feed_forward_backward", (grad, x, fc_weight, proj_weight, pre_activation, activation)),
+        # The LM head + loss: 6 tokens of width 37 over 29 classes, one ignored; with and without gradients.
+        ("linear_cross_entropy_forward", (x.clone().requires_grad_(True), fc_weight.clone().requires_grad_(True),
+                                          targets, -100, True)),
+        ("linear_cross_entropy_forward", (x, fc_weight, targets, -100, False)),
+        ("linear_cross_entropy_backward", (torch.rand((), device=device, dtype=loss_dtype), x, fc_weight)),
+        # AdamW updates its lists in place (no gradient: the optimizer calls it under torch.no_grad).
+        ("adamw_step", ([weight.clone(), x.clone()], [bias, grad], [weight.clone(), x.clone()],
+                        [weight.abs(), x.abs()], 1e-2, 0.9, 0.99, 1e-8, 0.1, 3)),
+        ("decode_attention", (q[:, :, :1].contiguous(), k, v, torch.tensor([19, 4], dtype=torch.int32, device=device),
+                              5, 0.25)),
     ]
 
 

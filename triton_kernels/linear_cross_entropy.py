@@ -12,7 +12,7 @@ The one idea: the logits are never in memory whole
     At GPT-2 size (16384 tokens, V = 50304, C = 768, bfloat16) the logits are 16384 × 50304 × 2 B =
     1.65 GB, and unfused autograd holds three tensors of that size at its backward's peak (the saved
     log-softmax, its gradient and the logits' gradient): ~5 GB, more than the model, for a scalar.
-    Here the tokens are walked in chunks of ``chunk_rows`` (2560 at that size: 7 chunks). Each chunk's
+    Here the tokens are walked in chunks of ``choose_chunk_rows`` (2560 at that size: 7 chunks). Each chunk's
     logits, 258 MB, are written by our matmul, read by a row kernel that turns them into the loss
     terms and writes the logits' gradient over them in place, and fed straight into the two gradient
     matmuls; the next chunk reuses the buffer. What lives at once: that buffer, the float32 weight
@@ -123,9 +123,11 @@ def _count_valid_targets(op: str, targets: torch.Tensor, ignore_index: int, voca
     return n_valid
 
 
-def chunk_rows(tokens: int, vocabulary: int) -> int:
-    """Rows per chunk: LOGITS_PER_CHUNK logits, rounded down to CHUNK_ROW_MULTIPLE rows, 1 to ``tokens``."""
-    return max(1, min(tokens, LOGITS_PER_CHUNK // vocabulary // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE))
+def choose_chunk_rows(tokens: int, vocabulary: int, requested: int = 0) -> int:
+    """Rows per chunk: ``requested`` if > 0 (tests walk small inputs in several chunks with it), else
+    LOGITS_PER_CHUNK logits rounded down to CHUNK_ROW_MULTIPLE rows; from 1 to ``tokens``."""
+    rows = requested or LOGITS_PER_CHUNK // vocabulary // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
+    return max(1, min(tokens, rows))
 
 
 # --- kernels --------------------------------------------------------------------------------------------
@@ -180,10 +182,10 @@ def _scale_kernel(X, Scale, Y, numel, BLOCK: tl.constexpr, COMPUTE: tl.constexpr
 
 
 def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                    ignore_index: int, compute_gradients: bool, rows_per_chunk: int | None = None):
+                                    ignore_index: int, compute_gradients: bool, chunk_rows: int = 0):
     """(loss, grad_hidden, grad_weight), the gradients those of the loss itself (upstream gradient 1).
-    Without ``compute_gradients`` they are empty tensors of shape (0,). ``rows_per_chunk`` overrides
-    ``chunk_rows`` (tests walk small inputs in several chunks with it)."""
+    Without ``compute_gradients`` they are empty tensors of shape (0,). ``chunk_rows`` > 0 sets the
+    tokens per chunk (0 chooses, ``choose_chunk_rows``)."""
     op = "linear_cross_entropy_forward"
     _check_linear_cross_entropy_shapes(op, hidden, weight, targets)
     check_inputs(op, hidden, weight)
@@ -199,7 +201,7 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
             return loss, hidden.new_empty(0), weight.new_empty(0)
         return loss, hidden.new_zeros(hidden.shape), weight.new_zeros(weight.shape)
 
-    rows_per_chunk = rows_per_chunk or chunk_rows(tokens, vocabulary)
+    rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows)
     starts = range(0, tokens, rows_per_chunk)
     logits = hidden.new_empty((min(rows_per_chunk, tokens), vocabulary))  # one chunk's, reused by every chunk
     row_losses = hidden.new_empty(tokens, dtype=loss_dtype)
@@ -256,12 +258,13 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("triton_kernels::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                                 compute_gradients: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, compute_gradients)
+                                 compute_gradients: bool,
+                                 chunk_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, compute_gradients, chunk_rows)
 
 
 @linear_cross_entropy_forward.register_fake
-def _linear_cross_entropy_forward_fake(hidden, weight, targets, ignore_index, compute_gradients):
+def _linear_cross_entropy_forward_fake(hidden, weight, targets, ignore_index, compute_gradients, chunk_rows=0):
     _check_linear_cross_entropy_shapes("linear_cross_entropy_forward", hidden, weight, targets)
     loss = hidden.new_empty((), dtype=accumulator_dtype(hidden.dtype))
     if not compute_gradients:
@@ -279,12 +282,12 @@ def _linear_cross_entropy_forward_backward(ctx, grad_loss, grad_of_grad_hidden, 
     # into them are ignored.
     needs_hidden, needs_weight = ctx.needs_input_grad[:2]
     if not (needs_hidden or needs_weight):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     if not ctx.computed_gradients:
         raise RuntimeError("linear_cross_entropy_forward ran with compute_gradients=False: it has no gradients "
                            "to give (call it with compute_gradients=True)")
     grad_hidden, grad_weight = linear_cross_entropy_backward(grad_loss, *ctx.saved_tensors)
-    return grad_hidden if needs_hidden else None, grad_weight if needs_weight else None, None, None, None
+    return grad_hidden if needs_hidden else None, grad_weight if needs_weight else None, None, None, None, None
 
 
 linear_cross_entropy_forward.register_autograd(_linear_cross_entropy_forward_backward,
@@ -310,28 +313,28 @@ class _LinearCrossEntropyEager(torch.autograd.Function):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index):
+    def forward(ctx, hidden, weight, targets, ignore_index, chunk_rows):
         loss, grad_hidden, grad_weight = launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index,
-                                                                         compute_gradients=True)
+                                                                         True, chunk_rows)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        return *launch_linear_cross_entropy_bwd_unchecked(grad_loss, *ctx.saved_tensors), None, None
+        return *launch_linear_cross_entropy_bwd_unchecked(grad_loss, *ctx.saved_tensors), None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100) -> torch.Tensor:
+                         ignore_index: int = -100, chunk_rows: int = 0) -> torch.Tensor:
     """The mean cross-entropy of logits hidden·weightᵀ against ``targets`` over the rows whose target is
     not ``ignore_index``, by our kernels, differentiable in hidden and weight, the logits never whole
-    in memory. torch.compile sees the registered op."""
+    in memory (``chunk_rows`` tokens' worth at a time; 0 chooses). torch.compile sees the registered op."""
     targets = targets.contiguous()  # T indices, copied only if strided: the row kernel reads them by row
     wants_gradient = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if torch.compiler.is_compiling():
-        return linear_cross_entropy_forward(hidden, weight, targets, ignore_index, wants_gradient)[0]
+        return linear_cross_entropy_forward(hidden, weight, targets, ignore_index, wants_gradient, chunk_rows)[0]
     if not wants_gradient:
         # no gradient wanted: skip autograd's bookkeeping, the gradient pass and 2/3 of the FLOPs
-        return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, compute_gradients=False)[0]
-    return _LinearCrossEntropyEager.apply(hidden, weight, targets, ignore_index)
+        return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, False, chunk_rows)[0]
+    return _LinearCrossEntropyEager.apply(hidden, weight, targets, ignore_index, chunk_rows)

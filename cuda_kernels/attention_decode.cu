@@ -1,0 +1,170 @@
+// Decode attention in CUDA: one new query per sequence over a static KV cache, the step generation
+// replays as a CUDA graph.
+//
+// What it computes
+//   out[b, h] = softmax(q[b, h] . K[b, h, :n]^T * scale) . V[b, h, :n],   n = key_lengths[b]
+//   over the first n positions of caches preallocated to `capacity` (with a window W > 0, over the last
+//   min(W, n) of them). The query is the newest token, at position n - 1.
+//
+// Kernel
+//   attention_decode_kernel   one block of 4 warps per (sequence, head). A group of G lanes holds one
+//                             key: each lane loads 16 bytes of the key row and of the value row, the
+//                             group sums its dot products with shuffles. Every group keeps its own
+//                             online softmax (running max, rescaled sum, rescaled output) over the keys
+//                             it visits; at the end the groups' states merge, across the warp by
+//                             shuffles and across warps through shared memory, with the same merge the
+//                             softmax kernels use: (m, l, o) + (m', l', o') rescaled to max(m, m').
+//
+// The one idea
+//   n is read from device memory: a CUDA graph freezes its launches' arguments at capture, so a count
+//   passed by value would stay the captured step's. With the count on the device one captured launch
+//   serves every step, and each step reads only the n keys it needs, not the whole cache. One query is a
+//   matrix-vector product (no tensor cores: they need 16 query rows), so what matters is keeping many
+//   16-byte loads in flight: 4 warps x (32 / G) keys per iteration.
+//
+// Limits
+//   head_dim 16, 32, 64 or 128; q (B, H, 1, D) with its last dim contiguous (heads may be strided views
+//   of the fused projection; its rows 16-byte aligned), caches contiguous (B, H, capacity, D), 16-byte aligned; key_lengths int32
+//   on the GPU (clamped to [0, capacity]; no visible key gives zeros). float16, bfloat16, float32, float64
+//   (float64, the tests' precision, calls double exp, whose call frame spills 8-12 bytes; the others none).
+//
+// Check
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_decode.cu -o /tmp/attention_decode.o
+//   python -m pytest tests -k "static_cache and cuda"
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace kernel_ladder {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+
+// Values of one key row each lane holds: one 16-byte load, or more where a row is wider than a warp's
+// loads (double at head dim 128).
+template <typename T, int kD>
+constexpr int kValuesPerLane = kVecOf<T> * kWarpSize >= kD ? kVecOf<T> : kD / kWarpSize;
+
+// A lane's kValues consecutive values of a row, converted to the accumulator type, in 16-byte loads.
+template <typename T, int kValues>
+__device__ __forceinline__ void load_row_part(const T* row, Acc<T> (&values)[kValues]) {
+  constexpr int kVec = kVecOf<T>;
+#pragma unroll
+  for (int pack = 0; pack < kValues / kVec; ++pack) {
+    const Pack<T, kVec> loaded = load_pack<T, kVec>(row + pack * kVec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) values[pack * kVec + i] = to_acc(loaded.val[i]);
+  }
+}
+
+template <typename A, int kValues>
+struct DecodeState {
+  A max, sum;
+  A out[kValues];
+};
+
+// Merges `other` into `state`: both rescaled to the larger maximum.
+template <typename A, int kValues>
+__device__ __forceinline__ void merge_into(DecodeState<A, kValues>& state, const DecodeState<A, kValues>& other) {
+  const A max = state.max > other.max ? state.max : other.max;
+  if (max == A(-INFINITY)) return;  // neither has seen a key
+  const A mine = exp_acc(state.max - max), theirs = exp_acc(other.max - max);
+  state.sum = state.sum * mine + other.sum * theirs;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) state.out[i] = state.out[i] * mine + other.out[i] * theirs;
+  state.max = max;
+}
+
+template <typename A, int kValues>
+__device__ __forceinline__ DecodeState<A, kValues> shuffle_state(const DecodeState<A, kValues>& state, int lane_mask) {
+  DecodeState<A, kValues> other;
+  other.max = shuffle_xor(state.max, lane_mask);
+  other.sum = shuffle_xor(state.sum, lane_mask);
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) other.out[i] = shuffle_xor(state.out[i], lane_mask);
+  return other;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kDecodeWarps * kWarpSize)
+attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                        const int32_t* __restrict__ key_lengths, T* __restrict__ out, int64_t heads, int64_t capacity,
+                        int64_t q_stride_batch, int64_t q_stride_head, int64_t window, Acc<T> scale) {
+  using A = Acc<T>;
+  constexpr int kValues = kValuesPerLane<T, kD>;
+  constexpr int kGroup = kD / kValues;              // lanes per key
+  constexpr int kKeysPerWarp = kWarpSize / kGroup;  // keys a warp visits at once
+  const int64_t sequence_head = blockIdx.x, sequence = sequence_head / heads, head = sequence_head % heads;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int dim = (lane % kGroup) * kValues;  // this lane's first dim
+
+  A query[kValues];
+  load_row_part<T, kValues>(q + sequence * q_stride_batch + head * q_stride_head + dim, query);
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) query[i] *= scale;
+
+  const int64_t filled = min(max(int64_t{key_lengths[sequence]}, int64_t{0}), capacity);
+  const int64_t first = window > 0 ? max(filled - window, int64_t{0}) : 0;
+  const T* keys = k_cache + sequence_head * capacity * kD + dim;
+  const T* values = v_cache + sequence_head * capacity * kD + dim;
+
+  DecodeState<A, kValues> state{A(-INFINITY), A(0), {}};
+  // The loop bound is the warp's, so every lane reaches the shuffles; a group past the last key adds
+  // nothing (its score is -inf).
+  for (int64_t base = first + int64_t{warp} * kKeysPerWarp; base < filled; base += kDecodeWarps * kKeysPerWarp) {
+    const int64_t key = base + lane / kGroup;
+    const bool visible = key < filled;
+    // Both rows are loaded before either is used: two 16-byte loads in flight per lane, not one.
+    A k_values[kValues] = {}, v_values[kValues] = {};
+    if (visible) {
+      load_row_part<T, kValues>(keys + key * kD, k_values);
+      load_row_part<T, kValues>(values + key * kD, v_values);
+    }
+    A partial = 0;
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) partial += query[i] * k_values[i];
+#pragma unroll
+    for (int offset = kGroup / 2; offset > 0; offset /= 2) partial += shuffle_xor(partial, offset);
+    if (!visible) continue;
+    const A new_max = state.max > partial ? state.max : partial;
+    const A rescale = exp_acc(state.max - new_max), p = exp_acc(partial - new_max);
+    state.sum = state.sum * rescale + p;
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) state.out[i] = state.out[i] * rescale + p * v_values[i];
+    state.max = new_max;
+  }
+
+  // Lanes at the same place in their groups hold the same dims: merge the warp's groups into group 0.
+#pragma unroll
+  for (int offset = kGroup; offset < kWarpSize; offset *= 2) merge_into(state, shuffle_state(state, offset));
+
+  __shared__ DecodeState<A, kValues> warp_states[kDecodeWarps][kGroup];
+  if (lane < kGroup) warp_states[warp][lane] = state;
+  __syncthreads();
+  if (warp != 0 || lane >= kGroup) return;
+#pragma unroll
+  for (int other = 1; other < kDecodeWarps; ++other) merge_into(state, warp_states[other][lane]);
+  const A inverse_sum = state.sum > A(0) ? A(1) / state.sum : A(0);  // no visible key: zeros, not NaN
+  T* out_row = out + sequence_head * kD + dim;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) out_row[i] = from_acc<T>(state.out[i] * inverse_sum);
+}
+
+}  // namespace
+
+void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache,
+                             const void* v_cache, const int32_t* key_lengths, void* out, void* stream) {
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
+      constexpr int kD = decltype(head_dim)::value;
+      attention_decode_kernel<T, kD><<<static_cast<unsigned>(shape.batch * shape.heads), kDecodeWarps * kWarpSize, 0,
+                                       static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), key_lengths,
+          static_cast<T*>(out), shape.heads, shape.capacity, shape.q_stride_batch, shape.q_stride_head, shape.window,
+          static_cast<Acc<T>>(shape.scale));
+    });
+  });
+}
+
+}  // namespace kernel_ladder

@@ -1,0 +1,188 @@
+// The fused LM head + cross-entropy in CUDA: the kernels between linear_cross_entropy_ops.cpp's matmuls.
+//
+// What it computes (over tokens t with targets[t] != ignore_index, n_valid of them)
+//   loss         = 1/n_valid * sum_t (logsumexp_j logits[t][j] - logits[t][targets[t]]),  logits = hidden weight^T
+//   grad_logits  = (softmax(logits[t]) - onehot(targets[t])) / n_valid   (0 for an ignored token)
+//   grad_hidden  = grad_logits weight,  grad_weight = grad_logits^T hidden   (cuBLAS, in the binding)
+//
+// Kernels
+//   cross_entropy_rows_kernel       one block per row of a chunk of logits: pass 1 the row's online
+//                                   (max, sum of exp) and its loss term, pass 2 grad_logits written
+//                                   over the logits, in place
+//   mean_loss_kernel                one block: the per-row loss terms summed in a fixed order, / n_valid
+//   scale_by_device_scalar_kernel   the backward: grad_hidden and grad_weight times the loss's gradient,
+//                                   read from device memory (no copy to the host, no wait)
+//
+// The one idea that makes it fast
+//   The logits are never whole in memory. At GPT-2's scale, 16384 tokens x 50304 vocabulary, they are
+//   1.65 GB in bfloat16, and an unfused loss keeps them and their gradient (another 1.65 GB) alive at
+//   once. The binding instead takes chunk_rows tokens at a time (2^27 logits: 2560 rows, 258 MB, in 7
+//   chunks): cuBLAS writes the chunk's logits, this kernel turns them into their gradient in place, and
+//   the two gradient GEMMs read that gradient straight away, so the forward leaves grad_hidden (25 MB)
+//   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. Per logit, the row kernel
+//   reads it twice (the second time from L2: a 50304-value bfloat16 row is 100 KB) and writes it once.
+//   The row's statistics use softmax.cu's merge: each thread folds its values into a (max, sum of
+//   exp(x - max)) pair, pairs merge exactly, (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)), and
+//   the block's pairs meet in one block_reduce.
+//   Rows start wherever the vocabulary puts them (50257 is odd): each row is read as a few single values
+//   up to its first 16-byte boundary, then 16-byte packs, then the few values after the last pack.
+//
+// Limits
+//   n >= 1 values a row, rows < 2^31 a chunk. float16, bfloat16, float32 (computed in float32, loss
+//   terms kept in float32) and float64. The gradient is stored in the input dtype already divided by
+//   n_valid: in float16, values below 6e-8 (a probability of 1e-3 over 16384 tokens is 6e-8) flush to
+//   zero, as they do in PyTorch's float16 cross-entropy; bfloat16 has float32's range.
+//
+// Check
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -warn-spills -c cuda_kernels/linear_cross_entropy.cu -o /tmp/lce.o
+//   python -m pytest tests -k "linear_cross_entropy and cuda"
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace kernel_ladder {
+namespace {
+
+// A row of 50304 values wants every thread it can get: 512 (the float64 exp needs the registers
+// that 1024 threads would not leave), at least 8 packs each, as softmax.cu's online kernel.
+constexpr int kRowThreads = 512;
+constexpr int kPacksPerThread = 8;
+constexpr int kElementwiseThreads = 256;
+
+// Visits this thread's share of a row of n values: on_value(i) for the single values before the
+// row's first 16-byte boundary and after its last whole pack, on_pack(i) for the pack at i..i+kVec-1.
+// A 16-byte load from an address that is not a multiple of 16 faults, and a chunk's rows start at
+// row * n, so with an odd vocabulary every other row is misaligned: the head realigns each one.
+template <typename T, typename OnPack, typename OnValue>
+__device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, OnPack on_pack, OnValue on_value) {
+  constexpr int kVec = kVecOf<T>;
+  const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) % 16 / sizeof(T));
+  const int64_t to_boundary = misalignment == 0 ? 0 : kVec - misalignment;
+  const int64_t head = to_boundary < n ? to_boundary : n;
+  const int64_t packs_end = head + (n - head) / kVec * kVec;
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) on_value(i);
+  for (int64_t i = head + int64_t{threadIdx.x} * kVec; i < packs_end; i += int64_t{blockDim.x} * kVec) on_pack(i);
+  for (int64_t i = packs_end + threadIdx.x; i < n; i += blockDim.x) on_value(i);
+}
+
+// Ordinary loads and stores throughout: pass 1 leaves the row in L2 for pass 2, and the gradient that
+// pass 2 writes is the next GEMMs' input, which L2 may still hold when cuBLAS reads it.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads)
+cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>* __restrict__ row_losses, int64_t n,
+                          int64_t ignore_index, Acc<T> scale, bool write_gradient) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  T* row = logits + int64_t{blockIdx.x} * n;
+  const int64_t target = targets[blockIdx.x];
+  if (target == ignore_index) {  // the whole block leaves here: no barrier waits for it
+    if (threadIdx.x == 0) row_losses[blockIdx.x] = A(0);
+    if (!write_gradient) return;
+    for_each_in_row(
+        row, n, [&](int64_t i) { store_pack<T, kVec>(row + i, Pack<T, kVec>{}); }, [&](int64_t i) { row[i] = T{}; });
+    return;
+  }
+  // Read before any thread can overwrite it: pass 2 starts after block_reduce's barriers.
+  const A target_logit = threadIdx.x == 0 ? to_acc(row[target]) : A(0);
+  MaxSum<A> mine;
+  for_each_in_row(
+      row, n,
+      [&](int64_t i) {
+        const Pack<T, kVec> in = load_pack<T, kVec>(row + i);
+        MaxSum<A> packed;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) packed.max = fmax(packed.max, to_acc(in.val[j]));
+        if (packed.max == A(-INFINITY)) return;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) packed.sum += exp_acc(to_acc(in.val[j]) - packed.max);
+        mine = merge(mine, packed);
+      },
+      [&](int64_t i) { mine = merge(mine, MaxSum<A>{to_acc(row[i]), A(1)}); });
+  const MaxSum<A> total = block_reduce(mine, Merge{});
+  if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;
+  if (!write_gradient) return;
+  // (exp(x - max) / sum - [i == target]) * scale; one multiply by probability_scale, no division.
+  const A probability_scale = scale / total.sum;
+  const auto gradient = [&](A value, int64_t i) {
+    return from_acc<T>(exp_acc(value - total.max) * probability_scale - (i == target ? scale : A(0)));
+  };
+  for_each_in_row(
+      row, n,
+      [&](int64_t i) {
+        const Pack<T, kVec> in = load_pack<T, kVec>(row + i);
+        Pack<T, kVec> out;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]), i + j);
+        store_pack<T, kVec>(row + i, out);
+      },
+      [&](int64_t i) { row[i] = gradient(to_acc(row[i]), i); });
+}
+
+// A few thousand loss terms: one block is enough, and one fixed order of additions gives the same
+// bits on every run, where atomicAdd from many blocks would not.
+template <typename A>
+__global__ void __launch_bounds__(kMaxThreads)
+mean_loss_kernel(const A* __restrict__ row_losses, A* __restrict__ loss, int64_t rows, A inverse_count) {
+  A sum = 0;
+  for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) sum += row_losses[row];
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) *loss = sum * inverse_count;
+}
+
+// Thread i owns elements [i*kVec, i*kVec + kVec): one pack, or the ragged tail. Every thread reads the
+// same factor: one 4- or 8-byte load, served from L1/L2 after the first.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kElementwiseThreads)
+scale_by_device_scalar_kernel(const T* __restrict__ x, const Acc<T>* __restrict__ factor, T* __restrict__ out,
+                              int64_t numel) {
+  const Acc<T> f = *factor;
+  const int64_t first = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * kVec;
+  if (first + kVec <= numel) {
+    const Pack<T, kVec> in = load_pack_once<T, kVec>(x + first);
+    Pack<T, kVec> scaled;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) scaled.val[j] = from_acc<T>(to_acc(in.val[j]) * f);
+    store_pack_once<T, kVec>(out + first, scaled);
+  } else {
+    for (int64_t i = first; i < numel; ++i) out[i] = from_acc<T>(to_acc(x[i]) * f);
+  }
+}
+
+}  // namespace
+
+// --- launchers -----------------------------------------------------------------------------------
+
+void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
+                               int64_t n, int64_t ignore_index, double scale, bool write_gradient, void* stream) {
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const int threads = std::min(kRowThreads, row_threads(n, kPacksPerThread * kVecOf<T>));
+    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, ignore_index, Acc<T>(scale),
+        write_gradient);
+  });
+}
+
+void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count, void* stream) {
+  dispatch_dtype(dtype, [&](auto zero) {
+    using A = Acc<decltype(zero)>;
+    const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, row_threads(rows, 1)));
+    mean_loss_kernel<A><<<1, threads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const A*>(row_losses), static_cast<A*>(loss), rows, A(inverse_count));
+  });
+}
+
+void launch_scale_by_device_scalar(DType dtype, const void* x, const void* factor, void* out, int64_t numel,
+                                   void* stream) {
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    dispatch_vector_width<T>(aligned_16(x) && aligned_16(out), [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      const auto blocks = static_cast<unsigned>(ceil_div(ceil_div(numel, kVec), kElementwiseThreads));
+      scale_by_device_scalar_kernel<T, kVec><<<blocks, kElementwiseThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          static_cast<const T*>(x), static_cast<const Acc<T>*>(factor), static_cast<T*>(out), numel);
+    });
+  });
+}
+
+}  // namespace kernel_ladder
