@@ -3,7 +3,7 @@
 //
 // What it computes, for each (batch, head), with S = q k^T * scale restricted to the visible keys
 //   forward    P = softmax(S) row by row,  out = P v,  lse = log(sum(exp(S))) per query row
-//   decode     the same for one query over the first key_lengths[b] keys of a static cache
+//   decode     one new token's key and value appended to a static cache, its query over the filled keys
 //   backward   delta = rowsum(dout * out),  P = exp(S - lse) recomputed,  dP = dout v^T,
 //              dS = P * (dP - delta),  dq = dS k * scale,  dk = dS^T q * scale,  dv = P^T dout
 //
@@ -173,21 +173,25 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
   }
 }
 
-// One query per sequence over a static cache (attention_decode.cu's twin): scores of the filled keys,
-// then their softmax-weighted sum of values, one (sequence, head) per task.
+// One new token per sequence over a static cache (attention_decode.cu's twin): its key and value
+// written at the last filled position, then the scores of the filled keys and their softmax-weighted
+// sum of values, one (sequence, head) per task.
 template <typename T>
-void attention_decode(const DecodeShape& shape, const T* q, const T* k_cache, const T* v_cache,
+void attention_decode(const DecodeShape& shape, const T* q, const T* k_new, const T* v_new, T* k_cache, T* v_cache,
                       const int32_t* key_lengths, T* out) {
   const int64_t d = shape.head_dim, tasks = shape.batch * shape.heads;
   const T scale = static_cast<T>(shape.scale);
 #pragma omp parallel for schedule(static) if (tasks * shape.capacity * d >= kMinParallelElements)
   for (int64_t bh = 0; bh < tasks; ++bh) {
     const int64_t sequence = bh / shape.heads, head = bh % shape.heads;
-    const T* query = q + sequence * shape.q_stride_batch + head * shape.q_stride_head;
-    const int64_t filled = std::clamp<int64_t>(key_lengths[sequence], 0, shape.capacity);
+    const int64_t token = sequence * shape.q_stride_batch + head * shape.q_stride_head;
+    const T* query = q + token;
+    const int64_t filled = std::clamp<int64_t>(key_lengths[sequence], 1, shape.capacity);  // the new token is one
     const int64_t first = shape.window > 0 ? std::max<int64_t>(filled - shape.window, 0) : 0;
-    const T* keys = k_cache + bh * shape.capacity * d;
-    const T* values = v_cache + bh * shape.capacity * d;
+    T* keys = k_cache + bh * shape.capacity * d;
+    T* values = v_cache + bh * shape.capacity * d;
+    std::copy(k_new + token, k_new + token + d, keys + (filled - 1) * d);
+    std::copy(v_new + token, v_new + token + d, values + (filled - 1) * d);
     T* o = out + bh * d;
     T maximum = -std::numeric_limits<T>::infinity();
     for (int64_t j = first; j < filled; ++j) maximum = std::max(maximum, dot(query, keys + j * d, d) * scale);
@@ -198,7 +202,7 @@ void attention_decode(const DecodeShape& shape, const T* q, const T* k_cache, co
       sum += p;
       axpy(o, p, values + j * d, d);
     }
-    const T inverse_sum = sum > 0 ? T(1) / sum : T(0);  // no visible key: zeros, as the CUDA kernel gives
+    const T inverse_sum = T(1) / sum;  // > 0: the new key is always visible
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) o[c] *= inverse_sum;
   }
@@ -206,12 +210,12 @@ void attention_decode(const DecodeShape& shape, const T* q, const T* k_cache, co
 
 }  // namespace
 
-void attention_decode_cpu(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache, const void* v_cache,
-                          const int32_t* key_lengths, void* out) {
+void attention_decode_cpu(DType dtype, const DecodeShape& shape, const void* q, const void* k_new, const void* v_new,
+                          void* k_cache, void* v_cache, const int32_t* key_lengths, void* out) {
   dispatch_cpu_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    attention_decode<T>(shape, static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
-                        key_lengths, static_cast<T*>(out));
+    attention_decode<T>(shape, static_cast<const T*>(q), static_cast<const T*>(k_new), static_cast<const T*>(v_new),
+                        static_cast<T*>(k_cache), static_cast<T*>(v_cache), key_lengths, static_cast<T*>(out));
   });
 }
 

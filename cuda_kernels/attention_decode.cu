@@ -1,7 +1,8 @@
-// Decode attention in CUDA: one new query per sequence over a static KV cache, the step generation
-// replays as a CUDA graph.
+// Decode attention in CUDA: one new token per sequence appended to a static KV cache and attended, the
+// step generation replays as a CUDA graph.
 //
 // What it computes
+//   K[b, h, n - 1] = k_new[b, h],  V[b, h, n - 1] = v_new[b, h]   (in place)
 //   out[b, h] = softmax(q[b, h] . K[b, h, :n]^T * scale) . V[b, h, :n],   n = key_lengths[b]
 //   over the first n positions of caches preallocated to `capacity` (with a window W > 0, over the last
 //   min(W, n) of them). The query is the newest token, at position n - 1.
@@ -14,18 +15,23 @@
 //                             it visits; at the end the groups' states merge, across the warp by
 //                             shuffles and across warps through shared memory, with the same merge the
 //                             softmax kernels use: (m, l, o) + (m', l', o') rescaled to max(m, m').
+//                             The group that draws position n - 1 reads the new key and value instead
+//                             of the cache, and writes them there for the steps after this one.
 //
 // The one idea
 //   n is read from device memory: a CUDA graph freezes its launches' arguments at capture, so a count
 //   passed by value would stay the captured step's. With the count on the device one captured launch
 //   serves every step, and each step reads only the n keys it needs, not the whole cache. One query is a
 //   matrix-vector product (no tensor cores: they need 16 query rows), so what matters is keeping many
-//   16-byte loads in flight: 4 warps x (32 / G) keys per iteration.
+//   16-byte loads in flight: 4 warps x (32 / G) keys per iteration. Writing the new key and value here,
+//   instead of in two copy kernels before, saves two launches a layer: a captured decode step of GPT-2
+//   small is ~150 small kernels, so each one is a share of its time.
 //
 // Limits
-//   head_dim 16, 32, 64 or 128; q (B, H, 1, D) with its last dim contiguous (heads may be strided views
-//   of the fused projection; its rows 16-byte aligned), caches contiguous (B, H, capacity, D), 16-byte aligned; key_lengths int32
-//   on the GPU (clamped to [0, capacity]; no visible key gives zeros). float16, bfloat16, float32, float64
+//   head_dim 16, 32, 64 or 128; q, k_new, v_new (B, H, 1, D) strided alike with their last dim
+//   contiguous (heads may be views of the fused projection; rows 16-byte aligned), caches contiguous
+//   (B, H, capacity, D), 16-byte aligned; key_lengths int32 on the GPU (clamped to [1, capacity]: the new
+//   token is always there). float16, bfloat16, float32, float64
 //   (float64, the tests' precision, calls double exp, whose call frame spills 8-12 bytes; the others none).
 //
 // Check
@@ -57,6 +63,13 @@ __device__ __forceinline__ void load_row_part(const T* row, Acc<T> (&values)[kVa
   }
 }
 
+template <typename T, int kValues>
+__device__ __forceinline__ void copy_row_part(const T* from, T* to) {
+  constexpr int kVec = kVecOf<T>;
+#pragma unroll
+  for (int pack = 0; pack < kValues / kVec; ++pack) store_pack<T, kVec>(to + pack * kVec, load_pack<T, kVec>(from + pack * kVec));
+}
+
 template <typename A, int kValues>
 struct DecodeState {
   A max, sum;
@@ -85,10 +98,13 @@ __device__ __forceinline__ DecodeState<A, kValues> shuffle_state(const DecodeSta
   return other;
 }
 
+// (..., 1): one resident block per SM is all this grid of B x H blocks needs; without it ptxas capped
+// the registers and float32 at head dim 64 spilled.
 template <typename T, int kD>
-__global__ void __launch_bounds__(kDecodeWarps * kWarpSize)
-attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                        const int32_t* __restrict__ key_lengths, T* __restrict__ out, int64_t heads, int64_t capacity,
+__global__ void __launch_bounds__(kDecodeWarps * kWarpSize, 1)
+attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_new, const T* __restrict__ v_new,
+                        T* __restrict__ k_cache, T* __restrict__ v_cache, const int32_t* __restrict__ key_lengths,
+                        T* __restrict__ out, int64_t heads, int64_t capacity,
                         int64_t q_stride_batch, int64_t q_stride_head, int64_t window, Acc<T> scale) {
   using A = Acc<T>;
   constexpr int kValues = kValuesPerLane<T, kD>;
@@ -98,15 +114,16 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int dim = (lane % kGroup) * kValues;  // this lane's first dim
 
+  const int64_t token = sequence * q_stride_batch + head * q_stride_head + dim;
   A query[kValues];
-  load_row_part<T, kValues>(q + sequence * q_stride_batch + head * q_stride_head + dim, query);
+  load_row_part<T, kValues>(q + token, query);
 #pragma unroll
   for (int i = 0; i < kValues; ++i) query[i] *= scale;
 
-  const int64_t filled = min(max(int64_t{key_lengths[sequence]}, int64_t{0}), capacity);
+  const int64_t filled = min(max(int64_t{key_lengths[sequence]}, int64_t{1}), capacity);  // the new token is one
   const int64_t first = window > 0 ? max(filled - window, int64_t{0}) : 0;
-  const T* keys = k_cache + sequence_head * capacity * kD + dim;
-  const T* values = v_cache + sequence_head * capacity * kD + dim;
+  T* keys = k_cache + sequence_head * capacity * kD + dim;
+  T* values = v_cache + sequence_head * capacity * kD + dim;
 
   DecodeState<A, kValues> state{A(-INFINITY), A(0), {}};
   // The loop bound is the warp's, so every lane reaches the shuffles; a group past the last key adds
@@ -115,10 +132,15 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, 
     const int64_t key = base + lane / kGroup;
     const bool visible = key < filled;
     // Both rows are loaded before either is used: two 16-byte loads in flight per lane, not one.
+    const bool new_token = key == filled - 1;  // from the projection, not (yet) the cache
     A k_values[kValues] = {}, v_values[kValues] = {};
     if (visible) {
-      load_row_part<T, kValues>(keys + key * kD, k_values);
-      load_row_part<T, kValues>(values + key * kD, v_values);
+      load_row_part<T, kValues>(new_token ? k_new + token : keys + key * kD, k_values);
+      load_row_part<T, kValues>(new_token ? v_new + token : values + key * kD, v_values);
+    }
+    if (new_token) {
+      copy_row_part<T, kValues>(k_new + token, keys + key * kD);
+      copy_row_part<T, kValues>(v_new + token, values + key * kD);
     }
     A partial = 0;
 #pragma unroll
@@ -144,7 +166,7 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, 
   if (warp != 0 || lane >= kGroup) return;
 #pragma unroll
   for (int other = 1; other < kDecodeWarps; ++other) merge_into(state, warp_states[other][lane]);
-  const A inverse_sum = state.sum > A(0) ? A(1) / state.sum : A(0);  // no visible key: zeros, not NaN
+  const A inverse_sum = A(1) / state.sum;  // > 0: the new key is always visible
   T* out_row = out + sequence_head * kD + dim;
 #pragma unroll
   for (int i = 0; i < kValues; ++i) out_row[i] = from_acc<T>(state.out[i] * inverse_sum);
@@ -152,16 +174,16 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, 
 
 }  // namespace
 
-void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache,
-                             const void* v_cache, const int32_t* key_lengths, void* out, void* stream) {
+void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_new, const void* v_new,
+                             void* k_cache, void* v_cache, const int32_t* key_lengths, void* out, void* stream) {
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = decltype(type_tag);
     dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
       constexpr int kD = decltype(head_dim)::value;
       attention_decode_kernel<T, kD><<<static_cast<unsigned>(shape.batch * shape.heads), kDecodeWarps * kWarpSize, 0,
                                        static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), key_lengths,
-          static_cast<T*>(out), shape.heads, shape.capacity, shape.q_stride_batch, shape.q_stride_head, shape.window,
+          static_cast<const T*>(q), static_cast<const T*>(k_new), static_cast<const T*>(v_new), static_cast<T*>(k_cache),
+          static_cast<T*>(v_cache), key_lengths, static_cast<T*>(out), shape.heads, shape.capacity, shape.q_stride_batch, shape.q_stride_head, shape.window,
           static_cast<Acc<T>>(shape.scale));
     });
   });

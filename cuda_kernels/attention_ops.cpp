@@ -4,7 +4,8 @@
 //
 //   attention_forward(q, k, v, causal, window, scale)                 -> (out, lse)
 //   attention_backward(grad_out, q, k, v, out, lse, causal, window, scale) -> (grad_q, grad_k, grad_v)
-//   decode_attention(q, k_cache, v_cache, key_lengths, window, scale)   -> out   (inference only)
+//   decode_attention(q, k_new, v_new, k_cache!, v_cache!, key_lengths, window, scale) -> out  (inference only;
+//                    writes the new key and value into the caches)
 //
 // q is (B, H, Lq, D), k and v (B, H, Lk, D); query i sits at key position i + Lk - Lq. lse, the log of
 // each softmax's denominator (B, H, Lq, in the accumulator type), is an output so that the backward can
@@ -154,16 +155,18 @@ TensorPair attention_forward_autograd(const at::Tensor& q, const at::Tensor& k, 
   return {outputs[0], outputs[1]};
 }
 
-// One query per sequence over a static KV cache (attention_decode.cu): the decode step a CUDA graph
-// replays. key_lengths lives on the device and is read by the kernel, so it is not checked here (a
-// value outside [0, capacity] is clamped). Inference only: no autograd formula.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& key_lengths, int64_t window, double scale) {
+// One new token per sequence appended to a static KV cache and attended (attention_decode.cu): the
+// decode step a CUDA graph replays. key_lengths lives on the device and is read by the kernel, so it is
+// not checked here (a value outside [1, capacity] is clamped). Inference only: no autograd formula.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& key_lengths, int64_t window, double scale) {
   const char* op = "decode_attention";
   const DType dtype = kernel_dtype(op, q);
   TORCH_CHECK_VALUE(q.dim() == 4 && q.sym_size(2) == 1, "cuda_kernels::", op,
                     ": q must be (batch, heads, 1, head_dim), got shape ", q.sym_sizes());
   const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), d = q.sym_size(3);
+  check_argument(op, "k_new", k_new, q, q.scalar_type(), q.sym_sizes());
+  check_argument(op, "v_new", v_new, q, q.scalar_type(), q.sym_sizes());
   const c10::SymInt capacity = k_cache.dim() == 4 ? k_cache.sym_size(2) : c10::SymInt(-1);
   check_argument(op, "k_cache", k_cache, q, q.scalar_type(), {batch, heads, capacity, d});
   check_argument(op, "v_cache", v_cache, q, q.scalar_type(), {batch, heads, capacity, d});
@@ -171,25 +174,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
                     " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
   TORCH_CHECK_VALUE(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "cuda_kernels::", op,
+                    ": the caches are written in place, so they must be contiguous");
   at::Tensor out = at::empty_symint({batch, heads, 1, d}, q.options());
   if (q.is_meta() || out.numel() == 0) return out;
-  // q may be the heads of the fused projection, strided in batch and head: read in place when its rows
-  // are contiguous and 16-byte aligned (always, for a projection of whole heads), else copied once.
-  const bool in_place = q.stride(3) == 1 && q.stride(1) % (16 / q.element_size()) == 0 &&
-                        q.stride(0) % (16 / q.element_size()) == 0 && reinterpret_cast<uintptr_t>(q.const_data_ptr()) % 16 == 0;
-  const at::Tensor query = in_place ? q : q.contiguous();
-  const at::Tensor keys = k_cache.contiguous(), values = v_cache.contiguous(), lengths = key_lengths.contiguous();
-  check_aligned_16(op, {&keys, &values});
+  check_aligned_16(op, {&k_cache, &v_cache});
+  // q, k_new and v_new are usually the heads of the fused projection, strided alike in batch and head:
+  // read in place when their rows are 16-byte aligned (always, for a projection of whole heads), else
+  // all three copied once.
+  const auto aligned_rows = [](const at::Tensor& t) {
+    const int64_t pack = 16 / t.element_size();
+    return t.stride(3) == 1 && t.stride(0) % pack == 0 && t.stride(1) % pack == 0 &&
+           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  };
+  const bool in_place = aligned_rows(q) && aligned_rows(k_new) && aligned_rows(v_new) && k_new.strides() == q.strides() &&
+                        v_new.strides() == q.strides();
+  const at::Tensor query = in_place ? q : q.contiguous(), key = in_place ? k_new : k_new.contiguous(),
+                   value = in_place ? v_new : v_new.contiguous(), lengths = key_lengths.contiguous();
   const DecodeShape shape{q.size(0), q.size(1), k_cache.size(2), q.size(3), query.stride(0), query.stride(1), window, scale};
   run_on_device_of(
       query,
       [&](void* stream) {
-        launch_attention_decode(dtype, shape, query.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
-                                lengths.const_data_ptr<int32_t>(), out.mutable_data_ptr(), stream);
+        launch_attention_decode(dtype, shape, query.const_data_ptr(), key.const_data_ptr(), value.const_data_ptr(),
+                                k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(), lengths.const_data_ptr<int32_t>(),
+                                out.mutable_data_ptr(), stream);
       },
       [&] {
-        attention_decode_cpu(dtype, shape, query.const_data_ptr(), keys.const_data_ptr(), values.const_data_ptr(),
-                             lengths.const_data_ptr<int32_t>(), out.mutable_data_ptr());
+        attention_decode_cpu(dtype, shape, query.const_data_ptr(), key.const_data_ptr(), value.const_data_ptr(),
+                             k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(), lengths.const_data_ptr<int32_t>(),
+                             out.mutable_data_ptr());
       });
   return out;
 }
@@ -204,6 +217,7 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   kernel_ladder::impl_differentiable<&kernel_ladder::attention_forward, &kernel_ladder::attention_backward,
                                      &kernel_ladder::attention_forward_autograd>(m, "attention_forward",
                                                                                  "attention_backward");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_lengths, int window, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor key_lengths, int window, float scale) -> Tensor");
   kernel_ladder::impl_on_every_device<&kernel_ladder::decode_attention>(m, "decode_attention");
 }

@@ -27,10 +27,10 @@ struct AttentionShape {
   double scale;  // multiplies q.k
 };
 
-// One decode-attention call (attention_decode.cu): q (batch, heads, 1, head_dim), rows of head_dim
-// contiguous at q + b * q_stride_batch + h * q_stride_head (heads may be views of a fused projection);
-// caches (batch, heads, capacity, head_dim) contiguous, of which sequence b has filled key_lengths[b]
-// positions (read on the device); `window` > 0 keeps the `window` most recent of them.
+// One decode-attention call (attention_decode.cu): q, k_new, v_new (batch, heads, 1, head_dim), rows of
+// head_dim contiguous at + b * q_stride_batch + h * q_stride_head (heads may be views of a fused
+// projection); caches (batch, heads, capacity, head_dim) contiguous, of which sequence b fills
+// key_lengths[b] positions (read on the device) with this step; `window` > 0 keeps the most recent.
 struct DecodeShape {
   int64_t batch, heads, capacity, head_dim, q_stride_batch, q_stride_head, window;
   double scale;  // multiplies q.k
@@ -104,10 +104,11 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream);
 
-// out (batch, heads, 1, head_dim) = softmax(q k^T * scale) v over each sequence's filled keys (see
-// DecodeShape); key_lengths is an int32 device array; no visible key gives zeros.
-void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache,
-                             const void* v_cache, const int32_t* key_lengths, void* out, void* stream);
+// Writes k_new and v_new at position key_lengths[b] - 1 of the caches, then out (batch, heads, 1,
+// head_dim) = softmax(q k^T * scale) v over each sequence's filled keys (see DecodeShape); key_lengths
+// is an int32 device array, clamped to [1, capacity].
+void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* q, const void* k_new, const void* v_new,
+                             void* k_cache, void* v_cache, const int32_t* key_lengths, void* out, void* stream);
 
 // The work around the feed-forward block's matmuls (ops.cpp runs those with cuBLAS through ATen).
 // a = gelu_tanh(h), elementwise over numel values.
@@ -159,8 +160,8 @@ void softmax_forward_cpu(DType dtype, const void* x, void* y, int64_t rows, int6
 void softmax_backward_cpu(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n);
 void attention_forward_cpu(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                            void* out, void* lse);
-void attention_decode_cpu(DType dtype, const DecodeShape& shape, const void* q, const void* k_cache, const void* v_cache,
-                          const int32_t* key_lengths, void* out);
+void attention_decode_cpu(DType dtype, const DecodeShape& shape, const void* q, const void* k_new, const void* v_new,
+                          void* k_cache, void* v_cache, const int32_t* key_lengths, void* out);
 void attention_backward_cpu(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                             const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                             void* grad_k, void* grad_v);

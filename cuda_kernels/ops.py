@@ -5,8 +5,9 @@
     softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
                                                      attention_cpu.cpp, attention_ops.cpp)
-    decode_attention(q, k_cache, v_cache,     -> o  (attention_decode.cu, attention_cpu.cpp, attention_ops.cpp:
-                     key_lengths, window, scale)     one query per sequence over a static KV cache)
+    decode_attention(q, k_new, v_new,         -> o  (attention_decode.cu, attention_cpu.cpp, attention_ops.cpp:
+                     k_cache, v_cache,               one new token per sequence appended to a static KV
+                     key_lengths, window, scale)     cache and attended)
     linear(x2d, weight, bias)                 -> y  (cuBLAS through ATen; the bias gradient in
                                                      feed_forward.cu, feed_forward_cpu.cpp, feed_forward_ops.cpp)
     feed_forward(x2d, fc_weight, fc_bias,
@@ -235,12 +236,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     return _attention_forward(q, k, v, causal, window, scale)[0]
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
-                     window: int, scale: float) -> torch.Tensor:
-    """One query per sequence, q (B, H, 1, D), over the first ``key_lengths[b]`` (an int32 device
-    tensor) positions of static caches (B, H, capacity, D): the decode step a CUDA graph replays.
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """One new token per sequence, q, k_new, v_new (B, H, 1, D): its key and value written at position
+    ``key_lengths[b] - 1`` (an int32 device tensor) of static caches (B, H, capacity, D), its query
+    attended over the first ``key_lengths[b]`` positions: the decode step a CUDA graph replays.
     Inference only."""
-    return _decode_attention(q, k_cache, v_cache, key_lengths, window, scale)
+    return _decode_attention(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,17 +51,21 @@ def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return torch.matmul(probabilities, v)
 
 
-def decode_attention_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
-                          window: int, scale: float) -> torch.Tensor:
-    """One new query per sequence over a preallocated cache, the step a CUDA graph replays.
+def decode_attention_math(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """One new token per sequence over a preallocated cache, the step a CUDA graph replays.
 
-    q is (batch, heads, 1, head_dim); the caches are (batch, heads, capacity, head_dim), of which
-    sequence b has filled its first ``key_lengths[b]`` positions (the new token's included). The count
-    lives on the device, so the same call, with the same shapes and addresses, serves every step.
-    The query sits at the last filled position: it sees every filled key, or with ``window`` > 0 the
-    ``window`` most recent. Positions past the count are masked out, so whatever they hold is ignored."""
-    positions = torch.arange(k_cache.shape[-2], device=q.device)
+    q, k_new and v_new are the new token's (batch, heads, 1, head_dim); the caches are (batch, heads,
+    capacity, head_dim), of which sequence b fills its first ``key_lengths[b]`` positions with this
+    step: the new key and value are written at position key_lengths[b] − 1, in place. The count lives
+    on the device, so the same call, with the same shapes and addresses, serves every step. The query
+    sits at that last position: it sees every filled key, or with ``window`` > 0 the ``window`` most
+    recent. Positions past the count are masked out, so whatever they hold is ignored."""
     lengths = key_lengths.to(torch.int64).view(-1, 1, 1, 1)
+    slot = (lengths - 1).expand(k_new.shape)
+    k_cache.scatter_(2, slot, k_new)
+    v_cache.scatter_(2, slot, v_new)
+    positions = torch.arange(k_cache.shape[-2], device=q.device)
     visible = positions < lengths
     if window > 0:
         visible = visible & (positions >= lengths - window)
@@ -173,18 +177,22 @@ class AttentionSpec(ComponentSpec):
                 for name in backends if hasattr(SDPBackend, name)}
 
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               key_lengths: torch.Tensor) -> torch.Tensor:
-        """One query per sequence over a static cache (``decode_attention_math`` says what it computes):
-        the generation step that ``levels.gpt`` captures as a CUDA graph. Causal by nature; inference only."""
-        if q.shape[-2] != 1 or q.shape[:2] != k_cache.shape[:2] or k_cache.shape != v_cache.shape:
-            raise ValueError(f"decode takes q of shape (batch, heads, 1, head_dim) and two caches of shape (batch, "
-                             f"heads, capacity, head_dim), got q {tuple(q.shape)}, k {tuple(k_cache.shape)}, "
-                             f"v {tuple(v_cache.shape)}")
-        return self.compute_decode(q, k_cache, v_cache, key_lengths, self.window or 0, self.scale_for(q.shape[-1]))
+    def decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, key_lengths: torch.Tensor) -> torch.Tensor:
+        """Append one new token per sequence to static caches and attend its query over them
+        (``decode_attention_math`` says what it computes): the generation step that ``levels.gpt``
+        captures as a CUDA graph. Causal by nature; inference only."""
+        if (q.shape[-2] != 1 or k_new.shape != q.shape or v_new.shape != q.shape or k_cache.shape != v_cache.shape
+                or q.shape[:2] != k_cache.shape[:2] or q.shape[-1] != k_cache.shape[-1]):
+            raise ValueError(f"decode takes q, k_new, v_new of shape (batch, heads, 1, head_dim) and two caches of "
+                             f"shape (batch, heads, capacity, head_dim), got q {tuple(q.shape)}, k_new "
+                             f"{tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, k_cache {tuple(k_cache.shape)}, "
+                             f"v_cache {tuple(v_cache.shape)}")
+        return self.compute_decode(q, k_new, v_new, k_cache, v_cache, key_lengths, self.window or 0,
+                                   self.scale_for(q.shape[-1]))
 
-    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
-        return decode_attention_math(q, k_cache, v_cache, key_lengths, window, scale)
+    def compute_decode(self, q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale):
+        return decode_attention_math(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 class PyTorchSDPA(nn.Module):
@@ -233,8 +241,8 @@ class AttentionTorchScript(AttentionSpec):
     def compute(self, q, k, v):
         return _scripted_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
 
-    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
-        return _scripted_decode_attention()(q, k_cache, v_cache, key_lengths, window, scale)
+    def compute_decode(self, q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale):
+        return _scripted_decode_attention()(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 @functools.cache
@@ -256,8 +264,8 @@ class AttentionCompiled(AttentionSpec):
     def compute(self, q, k, v):
         return _compiled_attention()(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
 
-    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
-        return _compiled_decode_attention()(q, k_cache, v_cache, key_lengths, window, scale)
+    def compute_decode(self, q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale):
+        return _compiled_decode_attention()(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 @functools.cache
@@ -279,8 +287,8 @@ class _AttentionKernel(AttentionSpec):
     def compute(self, q, k, v):
         return self.backend().attention(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))
 
-    def compute_decode(self, q, k_cache, v_cache, key_lengths, window, scale):
-        return self.backend().decode_attention(q, k_cache, v_cache, key_lengths, window, scale)
+    def compute_decode(self, q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale):
+        return self.backend().decode_attention(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 class AttentionTriton(_AttentionKernel):

@@ -139,13 +139,17 @@ class GPTSpec(ComponentSpec):
         time is far below what Python takes to launch them, so replaying them from the GPU's own queue
         is most of the speed-up (level 3 gets the same from ``torch.compile(mode="reduce-overhead")``).
         On the CPU there is no graph to capture: the static-cache step then runs eagerly, and says so.
-        ``cuda_graph=False`` decodes with a growing cache, every kernel launched from Python."""
+        ``cuda_graph=False`` decodes with a growing cache, every kernel launched from Python.
+
+        The static decoder (its caches and its graph) is kept for the next call with the same batch
+        size, which then only fills the cache with its prompt: capturing costs about two decode steps.
+        Moving or converting the model (``.to()``) drops it, since a graph holds the addresses it read."""
         self.check_inputs(idx, past=max_new_tokens)
         if cuda_graph is None:
             cuda_graph = idx.is_cuda
         if cuda_graph and not idx.is_cuda:
             print("gpt.generate: no CUDA graphs on the CPU; the static-cache decode step runs eagerly", file=sys.stderr)
-        decoder = _StaticCacheDecoder(self, idx, capture=idx.is_cuda) if cuda_graph else _GrowingCacheDecoder(self)
+        decoder = self._static_decoder(idx) if cuda_graph else _GrowingCacheDecoder(self)
         tokens = [idx]
         logits = decoder.prefill(idx)
         for step in range(max_new_tokens):
@@ -154,6 +158,17 @@ class GPTSpec(ComponentSpec):
             if step + 1 < max_new_tokens:
                 logits = decoder.step(next_token)
         return torch.cat(tokens, dim=1)
+
+    def _static_decoder(self, idx: torch.Tensor) -> "_StaticCacheDecoder":
+        decoder = self.__dict__.get("_decoder")
+        if decoder is None or decoder.token.shape != (idx.shape[0], 1) or decoder.token.device != idx.device:
+            decoder = _StaticCacheDecoder(self, idx, capture=idx.is_cuda)
+            self.__dict__["_decoder"] = decoder  # not a submodule: no state_dict entry, no .to()
+        return decoder
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_decoder", None)  # its graph and caches hold the old parameters' addresses
+        return super()._apply(fn, *args, **kwargs)
 
     @staticmethod
     def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
@@ -227,6 +242,8 @@ class _StaticCacheDecoder:
         self.compiled_step = torch.compile(self._step, mode="reduce-overhead") if capture and model.level == "compile" else None
 
     def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+        for cache in self.caches:
+            cache.restart()  # positions past the new prompt hold an earlier call's keys: masked until rewritten
         logits = self.model.compute(idx, self.caches, last_token_only=True)
         self.position.position.fill_(idx.shape[1])
         return logits

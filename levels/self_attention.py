@@ -69,7 +69,8 @@ class StaticKVCache:
     written in place: every decode step then has the same shapes and the same addresses, which CUDA
     graph capture needs (``KVCache`` grows by concatenation: new tensors at every step). The first call
     (the prompt) fills positions 0..tokens-1 and attends as usual; every later call is one token,
-    written at ``position.position`` and attended through the attention's ``decode``."""
+    which the attention's ``decode`` writes at ``position.position`` and attends (one kernel at levels
+    4 and 5: the new key and value go to the cache from registers, where the query uses them)."""
 
     def __init__(self, batch: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                  position: DecodePosition):
@@ -88,6 +89,10 @@ class StaticKVCache:
         """Tokens cached so far (reads the device: for tests and checks, not the decode loop)."""
         return 0 if self.prompt_length is None else int(self.position.position)
 
+    def restart(self) -> None:
+        """Take a new prompt at the next call: same buffers (a captured step keeps its addresses)."""
+        self.prompt_length = None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
         if self.prompt_length is None:
             tokens = k.shape[-2]
@@ -97,9 +102,7 @@ class StaticKVCache:
             return attention(q, k, v)
         if q.shape[-2] != 1:
             raise ValueError(f"a static KV cache decodes one token per call after the prompt, got {q.shape[-2]}")
-        self.keys.index_copy_(2, self.position.position, k)
-        self.values.index_copy_(2, self.position.position, v)
-        return attention.decode(q, self.keys, self.values, self.position.key_lengths)
+        return attention.decode(q, k, v, self.keys, self.values, self.position.key_lengths)
 
 
 def check_heads(n_embd: int, n_head: int) -> int:

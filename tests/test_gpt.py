@@ -76,21 +76,37 @@ def test_static_cache_decoding_gives_the_growing_caches_tokens(level, device):
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_attention_over_a_static_cache_matches_the_masked_math(level, device, window):
-    """Levels 4 and 5 read each sequence's count of filled keys from the device and visit only those;
-    level 1's math masks the whole cache. q comes strided, as heads split off the fused projection."""
+    """Levels 4 and 5 write the new token's key and value into the caches and attend its query over the
+    keys each sequence has filled (a count read on the device), visiting only those; level 1's math
+    masks the whole cache. q, k and v come strided, as heads split off the fused projection."""
     attention = levels.build("attention", level, causal=True, window=window or None)
     for dtype in LEVEL_DTYPES[level][device]:
         batch, heads, capacity, head_dim = 3, 2, 150, 64
         projection = torch.randn(batch, 1, 3, heads, head_dim, dtype=dtype, device=device)
-        q = projection.permute(2, 0, 3, 1, 4)[0]
+        q, k_new, v_new = projection.permute(2, 0, 3, 1, 4).unbind(0)
         k_cache, v_cache = (torch.randn(batch, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(2))
         key_lengths = torch.tensor([1, 77, capacity], dtype=torch.int32, device=device)
+        expected_k, expected_v = k_cache.double(), v_cache.double()
+        expected = decode_attention_math(q.double(), k_new.double(), v_new.double(), expected_k, expected_v,
+                                         key_lengths, window, head_dim ** -0.5)
         with torch.no_grad():
-            out = attention.decode(q, k_cache, v_cache, key_lengths)
-        expected = decode_attention_math(*(t.double() for t in (q, k_cache, v_cache)), key_lengths, window,
-                                         head_dim ** -0.5)
+            out = attention.decode(q, k_new, v_new, k_cache, v_cache, key_lengths)
         assert out.shape == (batch, heads, 1, head_dim) and out.dtype == dtype
         assert levels.relative_max_error(out, expected) <= levels.TOLERANCE[dtype], dtype
+        assert torch.equal(k_cache.double(), expected_k) and torch.equal(v_cache.double(), expected_v)
+
+
+@pytest.mark.parametrize("level,device", [device_param(device, level, id_prefix=f"{level}-")
+                                          for level in ("native", "cuda") for device in ("cpu", "cuda")])
+def test_a_kept_static_decoder_serves_the_next_prompt_and_a_move_drops_it(level, device):
+    model = tiny_gpt(level, device)
+    long_prompt, short_prompt = (torch.randint(0, CONFIG["vocab_size"], (2, length), device=device) for length in (9, 3))
+    model.generate(long_prompt, max_new_tokens=12, cuda_graph=True)  # leaves keys at positions a shorter call masks
+    decoder = model.__dict__["_decoder"]
+    assert torch.equal(model.generate(short_prompt, 7, cuda_graph=True), model.generate(short_prompt, 7, cuda_graph=False))
+    assert model.__dict__["_decoder"] is decoder
+    model.to(torch.float64)
+    assert "_decoder" not in model.__dict__
 
 
 def test_a_static_cache_decodes_one_token_per_call_after_the_prompt():

@@ -128,8 +128,8 @@ def op_samples(namespace, device, dtype):
         # AdamW updates its lists in place (no gradient: the optimizer calls it under torch.no_grad).
         ("adamw_step", ([weight.clone(), x.clone()], [bias, grad], [weight.clone(), x.clone()],
                         [weight.abs(), x.abs()], 1e-2, 0.9, 0.99, 1e-8, 0.1, 3)),
-        ("decode_attention", (q[:, :, :1].contiguous(), k, v, torch.tensor([19, 4], dtype=torch.int32, device=device),
-                              5, 0.25)),
+        ("decode_attention", (q[:, :, :1].contiguous(), k[:, :, :1].contiguous(), v[:, :, :1].contiguous(), k.clone(),
+                              v.clone(), torch.tensor([19, 4], dtype=torch.int32, device=device), 5, 0.25)),
     ]
 
 

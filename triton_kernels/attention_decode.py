@@ -1,27 +1,32 @@
-"""Decode attention in Triton: one new query per sequence over a static KV cache, the step generation
-replays as a CUDA graph.
+"""Decode attention in Triton: one new token per sequence appended to a static KV cache and attended,
+the step generation replays as a CUDA graph.
 
 What it computes
+    K[b, h, n − 1] = k_new[b, h],  V[b, h, n − 1] = v_new[b, h]            (in place)
     out[b, h] = softmax(q[b, h]·K[b, h, :n]ᵀ·scale)·V[b, h, :n],   n = key_lengths[b]
     over the first n positions of caches preallocated to ``capacity`` (or, with a window W > 0, over
     the last min(W, n) of them). The query is the newest token: it sits at position n − 1.
 
 Kernel
-    ``_attention_decode_kernel``   one program per (sequence, head): the query in registers, the
-                                   filled keys streamed in blocks of BLOCK_N with an online softmax
-                                   (running maximum, rescaled sum and output), as the flash forward does
+    ``_attention_decode_kernel``   one program per (sequence, head): the query and the new key and value
+                                   in registers; the new key and value stored to the cache; the n − 1
+                                   keys before them streamed in blocks of BLOCK_N with an online softmax
+                                   (running maximum, rescaled sum and output), as the flash forward does;
+                                   the new key folded in last, from registers
 
 The one idea
     n is read from device memory, not passed from Python: a CUDA graph freezes its launches'
     arguments at capture, so a count passed by value would stay the count of the step that was
     captured. With the count on the device, one captured launch serves every step, and each step reads
-    only the keys it needs (a mask over the whole cache would read all ``capacity`` of them).
+    only the keys it needs (a mask over the whole cache would read all ``capacity`` of them). Writing
+    the new key and value here, instead of in a copy kernel before, saves two launches a layer: a
+    captured decode step of GPT-2 small is ~150 small kernels, so each one is a share of its time.
     One query is a matrix-vector product: a dot product of the query with each key of a block and a
     weighted sum of the value rows, in registers; tensor cores need at least 16 query rows to help.
 
 Limits
-    head_dim 16, 32, 64, 128; q (B, H, 1, D) may be strided (heads split off the fused projection; its
-    last dim contiguous), the caches contiguous (B, H, capacity, D), key_lengths (B,) int32 on q's device,
+    head_dim 16, 32, 64, 128; q, k_new, v_new (B, H, 1, D) may be strided alike (heads split off the
+    fused projection; their last dim contiguous), the caches contiguous (B, H, capacity, D), key_lengths (B,) int32 on q's device,
     1 ≤ n ≤ capacity (read on the device, so not checked: an n outside is clamped to that range).
     float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the interpreter. No
     backward: generation runs under torch.no_grad.
@@ -43,14 +48,17 @@ DECODE_BLOCK_N = 64
 program, 64 registers a thread at 4 warps."""
 
 
-def _check_decode_shapes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_lengths: torch.Tensor, window: int) -> None:
-    require(q.dim() == 4 and q.shape[2] == 1 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and k_cache.shape[:2] == q.shape[:2] and k_cache.shape[3] == q.shape[3],
-            lambda: f"{op}: q must be (batch, heads, 1, head_dim) and the caches (batch, heads, capacity, head_dim), "
-                    f"got q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-            lambda: f"{op}: q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+def _check_decode_shapes(op: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int) -> None:
+    require(q.dim() == 4 and q.shape[2] == 1 and k_new.shape == q.shape and v_new.shape == q.shape
+            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[:2] == q.shape[:2]
+            and k_cache.shape[3] == q.shape[3],
+            lambda: f"{op}: q, k_new, v_new must be (batch, heads, 1, head_dim) and the caches (batch, heads, capacity, "
+                    f"head_dim), got q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, "
+                    f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    require(all(t.dtype == q.dtype for t in (k_new, v_new, k_cache, v_cache)),
+            lambda: f"{op}: q, k_new, v_new and the caches must share a dtype, got {q.dtype}, {k_new.dtype}, "
+                    f"{v_new.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     require(q.shape[3] in SUPPORTED_HEAD_DIMS,
             lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
                     f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
@@ -58,31 +66,38 @@ def _check_decode_shapes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cach
             lambda: f"{op}: key_lengths must be an int32 tensor of shape ({q.shape[0]},), got "
                     f"{key_lengths.dtype} {tuple(key_lengths.shape)}")
     require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
-    require(q.stride(3) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(),
-            lambda: f"{op}: q's last dim and the caches must be contiguous")
+    require(q.stride(3) == 1 and k_new.stride() == q.stride() and v_new.stride() == q.stride()
+            and k_cache.is_contiguous() and v_cache.is_contiguous(),
+            lambda: f"{op}: q, k_new and v_new must share strides with a contiguous last dim, and the caches be "
+                    f"contiguous")
 
 
 @triton.jit
-def _attention_decode_kernel(Q, K, V, Out, KeyLengths, heads, capacity, stride_qb, stride_qh, window,
+def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, capacity, stride_qb, stride_qh, window,
                              scale_high, scale_low, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                              WINDOWED: tl.constexpr, COMPUTE: tl.constexpr):
     sequence_head = tl.program_id(0).to(tl.int64)
     sequence = sequence_head // heads
     dims = tl.arange(0, HEAD_DIM)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
-    q = tl.load(Q + sequence * stride_qb + (sequence_head % heads) * stride_qh + dims).to(COMPUTE) * scale
-    filled = tl.minimum(tl.maximum(tl.load(KeyLengths + sequence), 0), capacity)
+    token = sequence * stride_qb + (sequence_head % heads) * stride_qh + dims
+    q = tl.load(Q + token).to(COMPUTE) * scale
+    k_new = tl.load(KNew + token)
+    v_new = tl.load(VNew + token)
+    filled = tl.minimum(tl.maximum(tl.load(KeyLengths + sequence), 1), capacity)  # the new token is one
     first = 0
     if WINDOWED:
         first = tl.maximum(filled - window, 0)
     K += sequence_head * capacity * HEAD_DIM
     V += sequence_head * capacity * HEAD_DIM
+    tl.store(K + (filled - 1) * HEAD_DIM + dims, k_new)  # for the steps after this one
+    tl.store(V + (filled - 1) * HEAD_DIM + dims, v_new)
     running_max = tl.full((), float("-inf"), COMPUTE)
     running_sum = tl.zeros((), COMPUTE)
     acc = tl.zeros((HEAD_DIM,), COMPUTE)
-    for start in range(first, filled, BLOCK_N):
+    for start in range(first, filled - 1, BLOCK_N):  # the keys cached before this step
         keys = start + tl.arange(0, BLOCK_N)
-        visible = keys < filled
+        visible = keys < filled - 1
         offsets = keys.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(K + offsets, mask=visible[:, None], other=0.0).to(COMPUTE)
         scores = tl.where(visible, tl.sum(k * q[None, :], axis=1), float("-inf"))
@@ -93,20 +108,25 @@ def _attention_decode_kernel(Q, K, V, Out, KeyLengths, heads, capacity, stride_q
         acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
         running_sum = running_sum * rescale + tl.sum(p, axis=0)
         running_max = new_max
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)  # no visible key (n = 0): zeros, not NaN
+    # the new key, from registers: it is always visible (the query is its own token)
+    score = tl.sum(k_new.to(COMPUTE) * q, axis=0)
+    new_max = tl.maximum(running_max, score)
+    rescale = tl.exp(running_max - new_max)
+    p = tl.exp(score - new_max)
+    out = (acc * rescale + p * v_new.to(COMPUTE)) / (running_sum * rescale + p)
     tl.store(Out + sequence_head * HEAD_DIM + dims, out.to(Out.dtype.element_ty))
 
 
-def launch_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    _check_decode_shapes("decode_attention", q, k_cache, v_cache, key_lengths, window)
-    check_inputs("decode_attention", q, k_cache, v_cache)
+def launch_attention_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    _check_decode_shapes("decode_attention", q, k_new, v_new, k_cache, v_cache, key_lengths, window)
+    check_inputs("decode_attention", q, k_new, v_new, k_cache, v_cache)
     batch, heads, _, head_dim = q.shape
     out = torch.empty((batch, heads, 1, head_dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     with on_device(q):
-        launch(_attention_decode_kernel, (batch * heads,), q, k_cache, v_cache, out, key_lengths, heads,
+        launch(_attention_decode_kernel, (batch * heads,), q, k_new, v_new, k_cache, v_cache, out, key_lengths, heads,
                k_cache.shape[2], q.stride(0), q.stride(1), window, *split_float(scale), HEAD_DIM=head_dim,
                BLOCK_N=DECODE_BLOCK_N, WINDOWED=window > 0, COMPUTE=compute_dtype(q.dtype), num_warps=4)
     return out
@@ -115,22 +135,23 @@ def launch_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # --- registration: op and fake (no autograd: inference only) -----------------------------------------
 
 
-@torch.library.custom_op("triton_kernels::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
-                        window: int, scale: float) -> torch.Tensor:
-    return launch_attention_decode(q, k_cache, v_cache, key_lengths, window, scale)
+@torch.library.custom_op("triton_kernels::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    return launch_attention_decode(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)
 
 
 @decode_attention_op.register_fake
-def _decode_attention_fake(q, k_cache, v_cache, key_lengths, window, scale):
-    _check_decode_shapes("decode_attention", q, k_cache, v_cache, key_lengths, window)
+def _decode_attention_fake(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale):
+    _check_decode_shapes("decode_attention", q, k_new, v_new, k_cache, v_cache, key_lengths, window)
     return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_lengths: torch.Tensor,
-                     window: int, scale: float) -> torch.Tensor:
-    """One query per sequence over the first ``key_lengths[b]`` positions of static caches (see the
-    module docstring); inference only. torch.compile sees the registered op."""
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Write each sequence's new key and value at position ``key_lengths[b] − 1`` of the static caches
+    and attend its query over the first ``key_lengths[b]`` positions (see the module docstring);
+    inference only. torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
-        return decode_attention_op(q, k_cache, v_cache, key_lengths, int(window), float(scale))
-    return launch_attention_decode(q, k_cache, v_cache, key_lengths, int(window), float(scale))
+        return decode_attention_op(q, k_new, v_new, k_cache, v_cache, key_lengths, int(window), float(scale))
+    return launch_attention_decode(q, k_new, v_new, k_cache, v_cache, key_lengths, int(window), float(scale))
