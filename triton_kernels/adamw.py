@@ -51,6 +51,7 @@ Check
 
 import functools
 import math
+import operator
 
 import torch
 import triton
@@ -61,7 +62,7 @@ from .launch import (
     ELEMENTWISE_BLOCK,
     cdiv,
     check_contiguous,
-    check_inputs,
+    check_many_inputs,
     compute_dtype,
     launch,
     on_device,
@@ -69,6 +70,8 @@ from .launch import (
 )
 
 # --- input checks ---------------------------------------------------------------------------------------
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs) -> None:
@@ -78,12 +81,15 @@ def _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs) -> None:
     if len(set(lengths)) != 1:
         raise ValueError(f"{op}: params, grads, exp_avgs and exp_avg_sqs must be lists of equal length, "
                          f"got {', '.join(map(str, lengths))}")
-    # Whole lists compared at once: a step checks ~600 tensors (GPT-2), and a loop per tensor costs more.
-    dtypes, shapes = [param.dtype for param in params], [param.shape for param in params]
+    # Whole lists compared at once, loops in C (map): a step checks ~600 tensors (GPT-2), and a Python
+    # loop per tensor costs the host more than the GPU takes for the step.
+    dtypes, shapes = list(map(_DTYPE, params)), list(map(_SHAPE, params))
     for name, tensors in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        if [tensor.dtype for tensor in tensors] != dtypes or [tensor.shape for tensor in tensors] != shapes:
+        if list(map(_DTYPE, tensors)) != dtypes or list(map(_SHAPE, tensors)) != shapes:
             _raise_mismatch(op, name, tensors, params)
-    check_contiguous(op, *params, *grads, *exp_avgs, *exp_avg_sqs)
+    every_tensor = (*params, *grads, *exp_avgs, *exp_avg_sqs)
+    if not all(map(torch.Tensor.is_contiguous, every_tensor)):
+        check_contiguous(op, *every_tensor)  # says which
 
 
 def _raise_mismatch(op: str, name: str, tensors, params) -> None:
@@ -142,7 +148,7 @@ def launch_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs)
     if not params:
         return
-    check_inputs("adamw_step", *params, *grads, *exp_avgs, *exp_avg_sqs)
+    check_many_inputs("adamw_step", (*params, *grads, *exp_avgs, *exp_avg_sqs))
     # The order of _adamw_kernel's scalars; the bias corrections in Python's float64.
     hyperparameters = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                        math.sqrt(1 - beta2 ** step), eps)

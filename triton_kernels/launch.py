@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy
 import torch
@@ -37,6 +38,7 @@ def interpreter_is_on() -> bool:
 _DEVICE_TYPE = "cpu" if INTERPRETING else "cuda"
 _SUPPORTED_DTYPES = (torch.float32, torch.float64) if INTERPRETING else (
     torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUPPORTED_DTYPE_SET = frozenset(_SUPPORTED_DTYPES)
 
 
 def check_inputs(op: str, *tensors: torch.Tensor) -> None:
@@ -49,6 +51,19 @@ def check_inputs(op: str, *tensors: torch.Tensor) -> None:
         if ((tensor.is_cpu if INTERPRETING else tensor.is_cuda) is not True or tensor.get_device() != device_index
                 or tensor.dtype not in _SUPPORTED_DTYPES):
             _raise_input_error(op, tensors)
+
+
+_ON_THIS_DEVICE = operator.attrgetter("is_cpu" if INTERPRETING else "is_cuda")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def check_many_inputs(op: str, tensors: Sequence[torch.Tensor]) -> None:
+    """``check_inputs`` for a long list (an optimizer's ~600 tensors): the same test with its loops in C
+    (``map`` into ``all`` and ``set``), several times faster per tensor than a Python loop, so that
+    checking a step's tensors costs less than the GPU's step. The message is built only on failure."""
+    if tensors and not (all(map(_ON_THIS_DEVICE, tensors)) and len(set(map(torch.Tensor.get_device, tensors))) == 1
+                        and set(map(_DTYPE, tensors)) <= _SUPPORTED_DTYPE_SET):
+        _raise_input_error(op, tensors)
 
 
 def _raise_input_error(op: str, tensors) -> None:
