@@ -8,20 +8,22 @@
 //   param      -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps)
 //
 // Kernels
-//   adamw_kernel   each block updates one chunk of 65536 values of one tensor, found in the launch's
-//                  block table; 16-byte packs where the tensor's four pointers allow
+//   adamw_kernel   each block updates one chunk of 16384 values of one tensor; which tensor, it finds
+//                  by a binary search of the launch's first-block table; 16-byte packs where the
+//                  tensor's four pointers allow
 //
 // The one idea that makes it fast
 //   Multi-tensor apply, the pattern of PyTorch's fused and foreach optimizers and of Apex: the kernel's
-//   argument is a struct, passed by value, that holds the four pointers and the size of up to 64
-//   tensors and a table mapping each of up to 256 blocks to a (tensor, chunk) pair; the host fills
-//   structs and launches one kernel per full struct. Kernel arguments must fit in 4 KB (the limit on
-//   every GPU and CUDA version; CUDA 12.1 raised it on Volta and later), and this one takes 3.9 KB:
-//   64 x (4 pointers + a size) x 8 bytes + 256 x 5 bytes of table + 7 factors. GPT-2 small has 148
-//   tensors and 124M values, 1995 chunks: 8 launches, where a loop over tensors would launch 148
-//   kernels. Each launch has a fixed cost (the CPU's to issue it, the GPU's to fill and drain), and 98
-//   of GPT-2's tensors are biases and LayerNorm vectors of 768 to 3072 values: one block of work
-//   each, on a GPU of 132 SMs.
+//   argument is a struct, passed by value, that holds the four pointers and the size of many tensors
+//   and, per tensor, the index of its first block; block b works on the tensor whose range holds b
+//   (8 or 9 comparisons in the argument's constant memory), on chunk b - first. The host fills structs
+//   and launches one kernel per full struct. How many tensors one launch takes is set by the size of
+//   the kernel's arguments: 4 KB until CUDA 12.1 (80 tensors), 32 KB since, on Volta and later (512
+//   tensors, 23 KB). GPT-2 small's 148 tensors and 124M values are then one launch of ~7700 blocks,
+//   where a loop over tensors would launch 148 kernels and a 4 KB struct two; each launch costs a
+//   fill and a drain of the GPU, where the last wave of blocks leaves SMs idle, and 98 of GPT-2's
+//   tensors are biases and LayerNorm vectors of 768 to 3072 values: one small block of work each.
+//   Chunks of 16384 values (32 a thread) keep the blocks many and short, so the last wave is small.
 //   The step is memory-bound: each value of the four tensors is read once and param, exp_avg and
 //   exp_avg_sq written once, 7 x 4 = 28 bytes per float32 parameter (3.5 GB a step for GPT-2 small),
 //   against about 20 FLOPs. So: 16-byte accesses, evict-first (nothing is read again in the step), and
@@ -42,10 +44,14 @@ namespace kernel_ladder {
 namespace {
 
 constexpr int kAdamWThreads = 512;
-constexpr int64_t kChunkValues = 65536;  // one block's share: 32 packs of 4 floats per thread
-constexpr int kMaxTensorsPerLaunch = 64;
-constexpr int kMaxBlocksPerLaunch = 256;
+constexpr int64_t kChunkValues = 16384;  // one block's share: 8 packs of 4 floats per thread
+#if CUDART_VERSION >= 12010
+constexpr size_t kMaxKernelArgumentBytes = 32764;  // CUDA 12.1 and later, on Volta and later GPUs
+constexpr int kMaxTensorsPerLaunch = 512;
+#else
 constexpr size_t kMaxKernelArgumentBytes = 4096;
+constexpr int kMaxTensorsPerLaunch = 80;
+#endif
 
 // The kernel's one argument. Pointers first, then sizes and factors, then the table: no padding.
 struct AdamWLaunch {
@@ -55,11 +61,16 @@ struct AdamWLaunch {
   void* exp_avg_sqs[kMaxTensorsPerLaunch];
   int64_t numels[kMaxTensorsPerLaunch];
   AdamWFactors factors;
-  int32_t block_chunk[kMaxBlocksPerLaunch];   // block b updates chunk block_chunk[b]
-  uint8_t block_tensor[kMaxBlocksPerLaunch];  // of tensor block_tensor[b]
+  int32_t first_block[kMaxTensorsPerLaunch + 1];  // tensor t owns blocks first_block[t] .. first_block[t + 1] - 1
+  int32_t tensors;
 };
-static_assert(sizeof(AdamWLaunch) <= kMaxKernelArgumentBytes, "AdamWLaunch must fit in the 4 KB of kernel arguments");
-static_assert(kMaxTensorsPerLaunch <= 256, "block_tensor holds a tensor's slot in one byte");
+static_assert(sizeof(AdamWLaunch) <= kMaxKernelArgumentBytes, "AdamWLaunch must fit in the kernel's arguments");
+
+// The first step of the binary search: the largest power of two below kMaxTensorsPerLaunch, so that the
+// steps (it, half of it, ..., 1) add up to any slot index.
+constexpr int largest_power_of_two_below(int n) { return n <= 2 ? 1 : 2 * largest_power_of_two_below((n + 1) / 2); }
+constexpr int kFirstSearchStep = largest_power_of_two_below(kMaxTensorsPerLaunch);
+static_assert(2 * kFirstSearchStep - 1 >= kMaxTensorsPerLaunch - 1 && kFirstSearchStep < kMaxTensorsPerLaunch, "");
 
 // The factors in the accumulator type, and the update of one value.
 template <typename A>
@@ -87,15 +98,19 @@ template <typename T>
 __global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const __grid_constant__ AdamWLaunch launch) {
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  const int tensor = launch.block_tensor[blockIdx.x];
+  // The last tensor whose first block is at or before this block.
+  int tensor = 0;
+  for (int step = kFirstSearchStep; step > 0; step /= 2) {
+    if (tensor + step < launch.tensors && launch.first_block[tensor + step] <= static_cast<int32_t>(blockIdx.x)) tensor += step;
+  }
   T* __restrict__ param = static_cast<T*>(launch.params[tensor]);
   const T* __restrict__ grad = static_cast<const T*>(launch.grads[tensor]);
   T* __restrict__ exp_avg = static_cast<T*>(launch.exp_avgs[tensor]);
   T* __restrict__ exp_avg_sq = static_cast<T*>(launch.exp_avg_sqs[tensor]);
   const AdamWMath<A> math(launch.factors);
-  const int64_t start = int64_t{launch.block_chunk[blockIdx.x]} * kChunkValues;
+  const int64_t start = int64_t{static_cast<int32_t>(blockIdx.x) - launch.first_block[tensor]} * kChunkValues;
   const int64_t end = start + kChunkValues < launch.numels[tensor] ? start + kChunkValues : launch.numels[tensor];
-  // Chunks start at multiples of 65536 values, so one tensor's four aligned pointers keep every pack
+  // Chunks start at multiples of 16384 values, so one tensor's four aligned pointers keep every pack
   // aligned; a misaligned tensor (a view into a flat buffer) goes one value at a time.
   const bool vectorise = aligned_16_on_device(param) && aligned_16_on_device(grad) && aligned_16_on_device(exp_avg) &&
                          aligned_16_on_device(exp_avg_sq);
@@ -125,44 +140,28 @@ __global__ void __launch_bounds__(kAdamWThreads) adamw_kernel(const __grid_const
   }
 }
 
-void put_tensor(AdamWLaunch& launch, int slot, const AdamWTensors& tensors, int64_t index) {
-  launch.params[slot] = tensors.params[index];
-  launch.grads[slot] = tensors.grads[index];
-  launch.exp_avgs[slot] = tensors.exp_avgs[index];
-  launch.exp_avg_sqs[slot] = tensors.exp_avg_sqs[index];
-  launch.numels[slot] = tensors.numels[index];
-}
-
 }  // namespace
 
-// Fills the struct tensor by tensor and chunk by chunk, and launches whenever its block table or its
-// tensor slots are full, and at the end. A tensor whose chunks do not all fit goes on in the next
-// launch, in its first slot.
+// Fills the struct tensor by tensor (each with its first block) and launches whenever its tensor slots
+// are full, and at the end. A launch's blocks: the sum of its tensors' chunks (at most 512 tensors of
+// 2^31 values each would overflow the int32 block index; no model has a tensor that large).
 void launch_adamw_step(DType dtype, const AdamWTensors& tensors, const AdamWFactors& factors, void* stream) {
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     AdamWLaunch launch{};
     launch.factors = factors;
-    int tensors_filled = 0, blocks_filled = 0;
     for (int64_t index = 0; index < tensors.count; ++index) {
-      int slot = tensors_filled++;
-      put_tensor(launch, slot, tensors, index);
-      const int64_t chunks = ceil_div(tensors.numels[index], kChunkValues);
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        launch.block_tensor[blocks_filled] = static_cast<uint8_t>(slot);
-        launch.block_chunk[blocks_filled] = static_cast<int32_t>(chunk);
-        ++blocks_filled;
-        const bool last_chunk = chunk + 1 == chunks;
-        const bool full = blocks_filled == kMaxBlocksPerLaunch || (last_chunk && tensors_filled == kMaxTensorsPerLaunch);
-        if (!full && !(last_chunk && index + 1 == tensors.count)) continue;
-        adamw_kernel<T><<<blocks_filled, kAdamWThreads, 0, static_cast<cudaStream_t>(stream)>>>(launch);
-        blocks_filled = 0;
-        tensors_filled = 0;
-        if (!last_chunk) {
-          slot = tensors_filled++;
-          put_tensor(launch, slot, tensors, index);
-        }
-      }
+      const int slot = launch.tensors++;
+      launch.params[slot] = tensors.params[index];
+      launch.grads[slot] = tensors.grads[index];
+      launch.exp_avgs[slot] = tensors.exp_avgs[index];
+      launch.exp_avg_sqs[slot] = tensors.exp_avg_sqs[index];
+      launch.numels[slot] = tensors.numels[index];
+      launch.first_block[slot + 1] = launch.first_block[slot] + static_cast<int32_t>(ceil_div(tensors.numels[index], kChunkValues));
+      if (launch.tensors < kMaxTensorsPerLaunch && index + 1 < tensors.count) continue;
+      adamw_kernel<T><<<static_cast<unsigned>(launch.first_block[launch.tensors]), kAdamWThreads, 0,
+                        static_cast<cudaStream_t>(stream)>>>(launch);
+      launch.tensors = 0;
     }
   });
 }
