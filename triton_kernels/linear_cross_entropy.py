@@ -67,6 +67,7 @@ from .launch import (
     require_value,
 )
 from .matmul import Epilogue, launch_column_sum, launch_matmul
+from .softmax import row_max_and_sum_of_exp
 
 LOGITS_PER_CHUNK = 2**27
 """Logits one chunk holds: 256 MB in bfloat16. Large enough that each of a chunk's matmuls at GPT-2
@@ -141,20 +142,9 @@ def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, V, ignore_index, n_va
     target = tl.load(Targets + row)
     valid = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
-    # pass 1: each lane keeps its own online softmax (a running maximum, and a running sum of
-    # exp(x − maximum) rescaled when the maximum grows), merged once after the loop: softmax.py's.
-    running_max = tl.full((BLOCK_V,), float("-inf"), COMPUTE)
-    running_sum = tl.zeros((BLOCK_V,), COMPUTE)
-    for start in range(0, V, BLOCK_V):
-        mask = start + cols < V
-        # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
-        x = tl.load(Logits + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
-        new_max = tl.maximum(running_max, x)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane that saw only padding: exp(−inf) = 0
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
-        running_max = new_max
-    row_max = tl.max(running_max, axis=0)
-    log_sum_exp = row_max + tl.log(tl.sum(running_sum * tl.exp(running_max - row_max), axis=0))
+    # pass 1: the row's log-sum-exp, with softmax.py's online softmax
+    row_max, row_sum = row_max_and_sum_of_exp(Logits, V, BLOCK_V, COMPUTE)
+    log_sum_exp = row_max + tl.log(row_sum)
     # Read before pass 2 overwrites it. An ignored row reads class 0 and discards it.
     target_logit = tl.load(Logits + tl.where(valid, target, 0)).to(COMPUTE)
     scale = tl.where(valid, 1.0 / tl.cast(n_valid, COMPUTE), 0.0)  # the mean's 1/n, folded into every term

@@ -83,19 +83,18 @@ def _softmax_fwd_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: t
 
 
 @triton.jit
-def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    row = tl.program_id(0)
-    X += row.to(tl.int64) * N
-    Y += row.to(tl.int64) * N
+def row_max_and_sum_of_exp(X, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """(max x, Σ exp(x − max x)) of the row of N values at X, in one pass over it: the online softmax.
+    Also the first pass of the LM head's loss (linear_cross_entropy.py), whose rows are a vocabulary long."""
     cols = tl.arange(0, BLOCK_N)
-    # pass 1: every lane of the block is its own online softmax over the elements it visits: a running
-    # maximum, and a running sum of exp(x − maximum) multiplied by exp(old − new) when the maximum
-    # grows. Lanes need no reduction inside the loop; they are merged once at the end.
+    # Every lane of the block is its own online softmax over the elements it visits: a running maximum,
+    # and a running sum of exp(x − maximum) multiplied by exp(old − new) when the maximum grows. Lanes
+    # need no reduction inside the loop; they are merged once at the end.
     running_max = tl.full((BLOCK_N,), float("-inf"), COMPUTE)
     running_sum = tl.zeros((BLOCK_N,), COMPUTE)
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
-        # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
+        # evict_last: the caller's second pass reads this block again, so ask L2 to keep it if it can.
         x = tl.load(X + start + cols, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
         new_max = tl.maximum(running_max, x)
         # A lane that has seen only −inf still has maximum −inf: shift by 0 there, so that exp gives 0
@@ -104,7 +103,18 @@ def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.const
         running_sum = running_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
         running_max = new_max
     row_max = tl.max(running_max, axis=0)
-    reciprocal_sum = 1.0 / tl.sum(running_sum * tl.exp(running_max - row_max), axis=0)
+    return row_max, tl.sum(running_sum * tl.exp(running_max - row_max), axis=0)
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0)
+    X += row.to(tl.int64) * N
+    Y += row.to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    # pass 1: the row's maximum and sum of exponentials, online
+    row_max, row_sum = row_max_and_sum_of_exp(X, N, BLOCK_N, COMPUTE)
+    reciprocal_sum = 1.0 / row_sum
     # pass 2: normalise
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
