@@ -37,7 +37,7 @@
 //
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -warn-spills -c cuda_kernels/adamw.cu -o /tmp/adamw.o
-//   python -m pytest tests -k "optimizer and cuda"
+//   python -m pytest tests -k "adamw and cuda"
 #include "common.cuh"
 
 namespace kernel_ladder {

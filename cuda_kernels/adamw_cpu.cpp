@@ -17,7 +17,7 @@
 //   float32 (computed in float32, as the CUDA kernel does) and float64; any sizes > 0.
 //
 // Check
-//   python -m pytest tests -k "optimizer and cuda and cpu"
+//   python -m pytest tests -k "adamw and cuda"
 #include <cmath>
 #include <vector>
 

@@ -19,7 +19,7 @@
 // do not require grad.)
 //
 // Check
-//   python -m pytest tests -k "optimizer and cuda"
+//   python -m pytest tests -k "adamw and cuda"
 #include <array>
 #include <cmath>
 #include <vector>

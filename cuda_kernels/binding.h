@@ -60,11 +60,13 @@ inline DType kernel_dtype(const char* op, const at::Tensor& x) {
 // kernels' accumulator type.
 inline at::ScalarType statistics_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Every tensor argument: on x's device, of the expected dtype and shape. Sizes are SymInts, so that the
-// Meta kernel checks symbolic shapes too (on a real tensor a SymInt is a plain integer).
+// Every tensor argument: on the device of x (the input the others are checked against), of the expected
+// dtype and shape. Sizes are SymInts, so that the Meta kernel checks symbolic shapes too (on a real
+// tensor a SymInt is a plain integer).
 inline void check_argument(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x, at::ScalarType dtype,
                            c10::SymIntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.device() == x.device(), "cuda_kernels::", op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK_VALUE(t.device() == x.device(), "cuda_kernels::", op, ": ", name, " is on ", t.device(),
+                    " while its other inputs are on ", x.device());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, "cuda_kernels::", op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
   TORCH_CHECK_VALUE(t.sym_sizes() == shape, "cuda_kernels::", op, ": ", name, " has shape ", t.sym_sizes(), ", expected ", shape);
 }

@@ -46,7 +46,7 @@ Limits
     parameters and moments.
 
 Check
-    python -m pytest tests -k "optimizer and triton"
+    python -m pytest tests -k "adamw and triton"
 """
 
 import functools
