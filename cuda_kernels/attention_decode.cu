@@ -67,7 +67,9 @@ template <typename T, int kValues>
 __device__ __forceinline__ void copy_row_part(const T* from, T* to) {
   constexpr int kVec = kVecOf<T>;
 #pragma unroll
-  for (int pack = 0; pack < kValues / kVec; ++pack) store_pack<T, kVec>(to + pack * kVec, load_pack<T, kVec>(from + pack * kVec));
+  for (int pack = 0; pack < kValues / kVec; ++pack) {
+    store_pack<T, kVec>(to + pack * kVec, load_pack<T, kVec>(from + pack * kVec));
+  }
 }
 
 template <typename A, int kValues>

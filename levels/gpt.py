@@ -239,7 +239,9 @@ class _StaticCacheDecoder:
         self.token = torch.zeros(batch, 1, dtype=idx.dtype, device=idx.device)
         self.capture = capture
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.compiled_step = torch.compile(self._step, mode="reduce-overhead") if capture and model.level == "compile" else None
+        self.compiled_step = None
+        if capture and model.level == "compile":
+            self.compiled_step = torch.compile(self._step, mode="reduce-overhead")
 
     def prefill(self, idx: torch.Tensor) -> torch.Tensor:
         for cache in self.caches:

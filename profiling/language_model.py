@@ -86,8 +86,9 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inpu
 def train(model: torch.nn.Module, data: torch.Tensor, steps: int, batch: int, tokens: int,
           learning_rate: float = 3e-3, seed: int = 0, progress: bool = True) -> list[float]:
     """Train ``model`` on random windows of ``data`` (token ids) with its level's AdamW
-    (``levels.build_optimizer``) for ``steps`` steps; returns the loss of every step. The learning rate decays along a cosine to a tenth, and the same ``seed``
-    draws the same windows, so two levels trained alike see the same data in the same order."""
+    (``levels.build_optimizer``) for ``steps`` steps; returns the loss of every step. The learning
+    rate decays along a cosine to a tenth, and the same ``seed`` draws the same windows, so two levels
+    trained alike see the same data in the same order."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     optimizer = ladder.build_optimizer(model.level, model.parameters(), lr=learning_rate, weight_decay=0.0)

@@ -67,9 +67,11 @@ def compare_optimizers(parameter_shapes: Sequence[Sequence[int]], dtype: torch.d
             parameter.grad = gradient.to(device=device, dtype=on_dtype)
         return parameters
 
-    builders = {resolve_level(level): (LEVEL_TITLES[resolve_level(level)], "level",
-                                       lambda params, level=resolve_level(level): ladder.build_optimizer(level, params, **HYPERPARAMETERS))
-                for level in (levels or ladder.LEVELS)}
+    def level_optimizer(level):
+        return lambda params: ladder.build_optimizer(level, params, **HYPERPARAMETERS)
+
+    chosen = [resolve_level(level) for level in (levels or ladder.LEVELS)]
+    builders = {level: (LEVEL_TITLES[level], "level", level_optimizer(level)) for level in chosen}
     if references:
         for variant in ("foreach", "fused"):
             if variant == "fused" and device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):

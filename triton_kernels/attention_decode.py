@@ -26,8 +26,9 @@ The one idea
 
 Limits
     head_dim 16, 32, 64, 128; q, k_new, v_new (B, H, 1, D) may be strided alike (heads split off the
-    fused projection; their last dim contiguous), the caches contiguous (B, H, capacity, D), key_lengths (B,) int32 on q's device,
-    1 ≤ n ≤ capacity (read on the device, so not checked: an n outside is clamped to that range).
+    fused projection; their last dim contiguous), the caches contiguous (B, H, capacity, D),
+    key_lengths (B,) int32 on q's device, 1 ≤ n ≤ capacity (read on the device, so not checked: an n
+    outside is clamped to that range).
     float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the interpreter. No
     backward: generation runs under torch.no_grad.
 
