@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backends import cuda_backend, inductor, torchscript, triton_backend
-from .spec import ComponentSpec, check_floating_input, default_device_and_dtype, element_count
+from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 GPT2_VOCABULARY = 50304
 """GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does (levels.gpt.GPT2_SMALL)."""

@@ -4,12 +4,12 @@ An optimizer step does almost no arithmetic per parameter (a dozen operations) a
 bytes: every parameter, its gradient and its two moments are read, and the parameter and the moments
 written: 7 tensors' worth of traffic for GPT-2 small's 124M parameters, about 1.7 GB in bfloat16 per
 step. So it is memory-bound, and how fast it runs is decided by how many times those bytes cross
-memory and how many kernels it takes. Level 1 is the textbook loop, five tensor ops per parameter (each
-a pass over memory) for each of GPT-2's ~150 parameter tensors: ~750 kernel launches a step. Level 4 is
-one Triton launch over every parameter (a table of pointers and sizes tells each program which slice of
-which tensor is its own); level 5 is CUDA's multi-tensor apply, the pattern PyTorch's fused optimizers
-and Apex use: each launch carries the addresses of up to a hundred tensors in its arguments. Both read
-and write each byte once.
+memory and how many kernels it takes. Level 1 is the textbook loop, ten tensor ops per parameter
+(each a pass over memory) for each of GPT-2's 148 parameter tensors: 1480 kernel launches a step.
+Level 4 is one Triton launch over every parameter (a table of pointers and sizes tells each program
+which slice of which tensor is its own); level 5 is CUDA's multi-tensor apply, the pattern PyTorch's
+fused optimizers and Apex use: each launch carries the addresses of up to 512 tensors in its
+arguments. Both read and write each byte once.
 
     optimizer = levels.build_optimizer("cuda", model.parameters(), lr=3e-4, weight_decay=0.1)
 """
@@ -117,7 +117,7 @@ def bias_corrections(lr: float, beta1: float, beta2: float, step: int) -> tuple[
 
 
 class AdamWNative(AdamWSpec):
-    """Level 1: the loop above, five tensor ops (five passes over memory, five launches) per parameter."""
+    """Level 1: the loop above, ten tensor ops (ten passes over memory, ten launches) per parameter."""
 
     level = "native"
 
@@ -149,8 +149,8 @@ def _compiled_adamw():
 
 
 class AdamWCompiled(AdamWSpec):
-    """Level 3: ``torch.compile`` of the same loop: Inductor fuses each parameter's five ops into one
-    kernel and groups parameters into a few launches (horizontal fusion). The first step compiles (a
+    """Level 3: ``torch.compile`` of the same loop: Inductor fuses each parameter's ten ops into one
+    kernel, one launch per parameter tensor (148 for GPT-2). The first step compiles (a
     graph over all ~150 tensors: tens of seconds for GPT-2), and once more at the second step, where
     Dynamo finds the step size changed and makes the floats symbolic; from then on it runs what it has."""
 

@@ -34,13 +34,13 @@ class KVCache:
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' keys and values; return all of them so far."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
+        """Append the new tokens' keys and values, and attend their queries over every key so far."""
         if self.keys is not None:
-            keys = torch.cat((self.keys, keys), dim=-2)
-            values = torch.cat((self.values, values), dim=-2)
-        self.keys, self.values = keys, values
-        return keys, values
+            k = torch.cat((self.keys, k), dim=-2)
+            v = torch.cat((self.values, v), dim=-2)
+        self.keys, self.values = k, v
+        return attention(q, k, v)
 
 
 class DecodePosition:
@@ -78,7 +78,7 @@ class StaticKVCache:
         self.keys = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.position = position
-        self.prompt_length: Optional[int] = None
+        self.awaits_prompt = True
         if device.type == "cuda":
             # torch.compile's CUDA graphs (level 3, mode="reduce-overhead") may update these buffers in
             # place only if it knows their addresses never change.
@@ -87,18 +87,20 @@ class StaticKVCache:
 
     def __len__(self) -> int:
         """Tokens cached so far (reads the device: for tests and checks, not the decode loop)."""
-        return 0 if self.prompt_length is None else int(self.position.position)
+        return 0 if self.awaits_prompt else int(self.position.position)
 
     def restart(self) -> None:
         """Take a new prompt at the next call: same buffers (a captured step keeps its addresses)."""
-        self.prompt_length = None
+        self.awaits_prompt = True
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
-        if self.prompt_length is None:
+        """The prompt: cache its keys and values and attend as usual. Then one token per call, appended
+        and attended by ``attention.decode``."""
+        if self.awaits_prompt:
             tokens = k.shape[-2]
             self.keys[:, :, :tokens] = k
             self.values[:, :, :tokens] = v
-            self.prompt_length = tokens
+            self.awaits_prompt = False
             return attention(q, k, v)
         if q.shape[-2] != 1:
             raise ValueError(f"a static KV cache decodes one token per call after the prompt, got {q.shape[-2]}")
@@ -159,12 +161,7 @@ class SelfAttentionSpec(ComponentSpec):
         qkv = project(x, self.c_attn.weight, self.c_attn.bias)
         # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views
         q, k, v = qkv.view(batch, tokens, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if isinstance(cache, StaticKVCache):
-            heads = cache.attend(q, k, v, attention)
-        else:
-            if cache is not None:
-                k, v = cache.extend(k, v)
-            heads = attention(q, k, v)
+        heads = attention(q, k, v) if cache is None else cache.attend(q, k, v, attention)
         merged = heads.transpose(1, 2).reshape(batch, tokens, width)
         return project(merged, self.c_proj.weight, self.c_proj.bias)
 

@@ -48,7 +48,14 @@ from levels.spec import (
 )
 
 from .peaks import copy_bandwidth, matmul_throughput
-from .timing import synchronize, time_back_to_back, time_once, time_runs, time_side_by_side
+from .timing import (
+    kernels_launched,
+    peak_memory_mb,
+    time_back_to_back,
+    time_once,
+    time_runs,
+    time_side_by_side,
+)
 
 COLUMNS = [
     "level", "title", "kind", "median_ms", "p10_ms", "p90_ms", "runs", "graph_ms", "speedup", "gb_per_s",
@@ -289,8 +296,8 @@ def _check(module, inputs, grad_output, reference_values, device, dtype, budget_
         "graph_ms": _graph_replay_ms(step, device, budget_s, timer),
         "max_error": error,
         "within_tolerance": error <= TOLERANCE[dtype],
-        "peak_memory_mb": _peak_memory_mb(step, device),
-        "kernels": _kernels_launched(step, device),
+        "peak_memory_mb": peak_memory_mb(step, device),
+        "kernels": kernels_launched(step, device),
         "first_call_s": first_call_s,
         "status": "ok",
     }
@@ -314,29 +321,3 @@ def _graph_replay_ms(step, device, budget_s, timer) -> float:
     except Exception:  # e.g. a level that synchronises inside its call: it simply has no graph time
         return math.nan
     return timer(graph.replay, device, budget_s=budget_s).median_s * 1e3
-
-
-def _peak_memory_mb(step, device) -> float:
-    """Memory the call allocates beyond what already lives (CUDA caching allocator's high-water mark)."""
-    if device.type != "cuda":
-        return math.nan
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
-
-def _kernels_launched(step, device) -> float:
-    """GPU kernels one call launches, counted by the profiler (fusion's first visible effect)."""
-    if device.type != "cuda":
-        return math.nan
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        step()
-        synchronize(device)
-    return sum(1 for event in profiler.events() if event.device_type == DeviceType.CUDA
-               and not event.name.startswith(("Memcpy", "Memset")))

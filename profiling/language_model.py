@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import levels as ladder
 from levels.spec import LEVEL_TITLES, resolve_level
 
-from .timing import time_once
+from .timing import peak_memory_mb, time_once
 
 TEXT_PATH = Path(__file__).parent / "data" / "the_ladder_dialogue.txt"
 """A 10 kB dialogue written for this course (no download): what the lessons train the tiny GPT on."""
@@ -131,7 +131,7 @@ def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, descri
             # decode step's one query, the growing cache) and then generalises to dynamic shapes.
             work(model)
             seconds = statistics.median(time_once(lambda: work(model), device) for _ in range(repeats))
-            row["peak_memory_mb"] = _peak_memory_mb(lambda: work(model), device)
+            row["peak_memory_mb"] = peak_memory_mb(lambda: work(model), device)
         except Exception as error:  # a level that cannot run here says why in its row, the rest go on
             rows.append({**row, "status": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
             continue
@@ -140,19 +140,6 @@ def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, descri
     if "tokens_per_s" in table:
         table["speedup"] = table["tokens_per_s"] / table["tokens_per_s"].iloc[0]
     return table
-
-
-def _peak_memory_mb(work, device: torch.device) -> float:
-    """The most memory one call holds beyond what lived before it (the model, its optimizer state): a
-    training step's activations, logits and gradients. NaN on the CPU."""
-    if device.type != "cuda":
-        return math.nan
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    work()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype = torch.bfloat16,

@@ -23,7 +23,7 @@ import levels as ladder
 from levels.spec import LEVEL_TITLES, TOLERANCE, relative_max_error, resolve_level
 
 from .peaks import copy_bandwidth, matmul_throughput
-from .timing import time_once, time_runs, time_side_by_side
+from .timing import kernels_launched, time_once, time_runs, time_side_by_side
 
 HYPERPARAMETERS = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """GPT-2's training setting (nanoGPT's betas and decay); the step counts are the same for every row."""
@@ -53,7 +53,7 @@ def compare_optimizers(parameter_shapes: Sequence[Sequence[int]], dtype: torch.d
 
     ``max_error`` compares the parameters after ``steps_checked`` steps from the same start with a
     float64 run of level 1, relative to the largest parameter."""
-    from .compare import COLUMNS, _kernels_launched
+    from .compare import COLUMNS
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or torch.float32
@@ -98,7 +98,7 @@ def compare_optimizers(parameter_shapes: Sequence[Sequence[int]], dtype: torch.d
                 optimizer.step()
             row["max_error"] = max(relative_max_error(a, b) for a, b in zip(checked, expected))
             row["within_tolerance"] = row["max_error"] <= TOLERANCE[dtype]
-            row["kernels"] = _kernels_launched(optimizer.step, device)
+            row["kernels"] = kernels_launched(optimizer.step, device)
         except Exception as error:  # a row that cannot run here says why; the others go on
             rows.append({**row, "status": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
             continue

@@ -39,6 +39,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def peak_memory_mb(function: Callable[[], object], device: torch.device) -> float:
+    """Memory one call allocates beyond what already lives (the CUDA caching allocator's high-water
+    mark): a step's activations, logits and gradients, not the model. NaN on the CPU."""
+    if device.type != "cuda":
+        return math.nan
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    function()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def kernels_launched(function: Callable[[], object], device: torch.device) -> float:
+    """GPU kernels one call launches, counted by the profiler (fusion's first visible effect). NaN on
+    the CPU."""
+    if device.type != "cuda":
+        return math.nan
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        function()
+        synchronize(device)
+    return sum(1 for event in profiler.events() if event.device_type == DeviceType.CUDA
+               and not event.name.startswith(("Memcpy", "Memset")))
+
+
 def time_once(function: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call, synchronised: what a first call (with its compile or build) costs."""
     synchronize(device)
