@@ -190,6 +190,20 @@ struct Merge {
   template <typename A> __device__ __forceinline__ MaxSum<A> operator()(MaxSum<A> a, MaxSum<A> b) const { return merge(a, b); }
 };
 
+// The statistics of one 16-byte pack: its max, then the sum of exp(value - max) (the identity of
+// `merge` for a pack of only -inf). A thread folds its packs in with `merge`.
+template <typename T, int kVec>
+__device__ __forceinline__ MaxSum<Acc<T>> max_sum_of_pack(const Pack<T, kVec>& pack) {
+  using A = Acc<T>;
+  MaxSum<A> statistics;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) statistics.max = fmax(statistics.max, to_acc(pack.val[j]));
+  if (statistics.max == A(-INFINITY)) return statistics;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) statistics.sum += exp_acc(to_acc(pack.val[j]) - statistics.max);
+  return statistics;
+}
+
 // --- dtype switch --------------------------------------------------------------------------------
 // Calls fn(T{}) with T the C++ type of `dtype`; fn is a generic lambda that reads T back with decltype.
 template <typename Fn>

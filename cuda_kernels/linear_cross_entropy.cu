@@ -87,16 +87,7 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
   MaxSum<A> mine;
   for_each_in_row(
       row, n,
-      [&](int64_t i) {
-        const Pack<T, kVec> in = load_pack<T, kVec>(row + i);
-        MaxSum<A> packed;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) packed.max = fmax(packed.max, to_acc(in.val[j]));
-        if (packed.max == A(-INFINITY)) return;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) packed.sum += exp_acc(to_acc(in.val[j]) - packed.max);
-        mine = merge(mine, packed);
-      },
+      [&](int64_t i) { mine = merge(mine, max_sum_of_pack<T, kVec>(load_pack<T, kVec>(row + i))); },
       [&](int64_t i) { mine = merge(mine, MaxSum<A>{to_acc(row[i]), A(1)}); });
   const MaxSum<A> total = block_reduce(mine, Merge{});
   if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;

@@ -158,14 +158,7 @@ softmax_forward_online_kernel(const T* __restrict__ x, T* __restrict__ y, int64_
   const T* x_row = x + int64_t{blockIdx.x} * n;
   MaxSum<A> mine;
   for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);  // kept in L2 for pass 2
-    MaxSum<A> packed;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) packed.max = fmax(packed.max, to_acc(in.val[j]));
-    if (packed.max == A(-INFINITY)) continue;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) packed.sum += exp_acc(to_acc(in.val[j]) - packed.max);
-    mine = merge(mine, packed);
+    mine = merge(mine, max_sum_of_pack<T, kVec>(load_pack<T, kVec>(x_row + pack * kVec)));  // kept in L2 for pass 2
   }
   write_probabilities<T, kVec>(y + int64_t{blockIdx.x} * n, n_packs, block_reduce(mine, Merge{}),
                                [&](int64_t pack) { return load_pack_once<T, kVec>(x_row + pack * kVec); });
