@@ -8,6 +8,7 @@ examples:
   python -m profiling                                   every component, sized for this device
   python -m profiling --component layer_norm --shape 8192 8192 --dtype bfloat16 --backward
   python -m profiling --component swish attention --budget 0.2 --csv results.csv --plot results.png
+  python -m profiling --sweep row_length --component layer_norm softmax --dtype bfloat16 --plot sweep.png
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from levels.spec import LEVEL_TITLES, resolve_level
 from .compare import compare_optimization_levels
 from .peaks import describe_device
 from .report import format_table, plot_comparison, with_setup_columns
+from .sweep import ROW_COMPONENTS, format_sweep, plot_sweeps, row_length_sweep
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -54,13 +56,26 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-references", action="store_true", help="leave out PyTorch's fused kernels")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row (default 1)")
     parser.add_argument("--csv", help="write all rows to this CSV file")
-    parser.add_argument("--plot", help="write a bar chart of time per level to this PNG file")
-    return parser.parse_args(argv)
+    parser.add_argument("--plot", help="write a bar chart of time per level (a sweep: %% of copy bandwidth against "
+                                       "row length) to this PNG file")
+    parser.add_argument("--sweep", choices=("row_length",),
+                        help="row_length: each row-wise component over rows of 128 to 4,194,304 elements at one total "
+                             f"size ({', '.join(ROW_COMPONENTS)}; --shape is ignored)")
+    parser.add_argument("--total", type=int, help="elements per point of a sweep (default 2^26 on a GPU, 2^20 on the CPU)")
+    arguments = parser.parse_args(argv)
+    if arguments.sweep and not set(arguments.component) <= set(ROW_COMPONENTS):
+        if arguments.component == list(ladder.COMPONENTS):
+            arguments.component = [c for c in ROW_COMPONENTS if c in ladder.COMPONENTS]
+        else:
+            parser.error(f"--sweep row_length takes row-wise components only: {', '.join(ROW_COMPONENTS)}")
+    return arguments
 
 
 def main(argv=None) -> int:
     arguments = parse_arguments(argv)
     device = torch.device(arguments.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if arguments.sweep:
+        return run_sweep(arguments, device)
     names = [resolve_level(level) for level in (arguments.levels or ladder.LEVELS)]
     shapes = {component: tuple(arguments.shape or ladder.level_class(component, "native").default_shapes[device.type])
               for component in arguments.component}
@@ -79,6 +94,23 @@ def main(argv=None) -> int:
         print(f"wrote {arguments.csv}", file=sys.stderr)
     if arguments.plot:
         save_plots(tables, arguments.plot)
+        print(f"wrote {arguments.plot}", file=sys.stderr)
+    return 0
+
+
+def run_sweep(arguments: argparse.Namespace, device: torch.device) -> int:
+    sweeps = []
+    for component in arguments.component:
+        sweep = row_length_sweep(component, total_elements=arguments.total, dtype=DTYPES[arguments.dtype],
+                                 device=device, levels=arguments.levels, backward=arguments.backward,
+                                 references=not arguments.no_references, budget_s=arguments.budget)
+        print(format_sweep(sweep), end="\n\n", flush=True)
+        sweeps.append(sweep)
+    if arguments.csv:
+        pd.concat([with_setup_columns(sweep) for sweep in sweeps]).to_csv(arguments.csv, index=False)
+        print(f"wrote {arguments.csv}", file=sys.stderr)
+    if arguments.plot:
+        plot_sweeps(sweeps, arguments.plot)
         print(f"wrote {arguments.plot}", file=sys.stderr)
     return 0
 

@@ -9,6 +9,8 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part models    --out profiling/results/h100   # GPT-2 small training
     python -m profiling.gpu_suite --part generation --out profiling/results/h100  # GPT-2 small generation
     python -m profiling.gpu_suite --part overhead  --out profiling/results/h100   # one call at decode size
+    python -m profiling.gpu_suite --part sweep     --out profiling/results/h100   # row lengths, forward
+    python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
@@ -18,6 +20,9 @@ Without --part every part runs in turn. Each part writes, under --out:
     language_model.csv       models: GPT-2 small per level, training-step tokens/s and peak memory
     generation.csv           generation: GPT-2 small per level, generation tokens/s, eager and CUDA graph
     overhead.csv             overhead: one call per case × pass × level at decode size, as call_overhead
+    sweep[-backward].csv/.png  sweep, sweep-backward: LayerNorm, RMSNorm and softmax over rows of 128 …
+                             4,194,304 elements at 2^26 elements each point (profiling.sweep);
+    softmax-long-rows.csv    sweep: softmax on 4096 × 262,144 float32
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
@@ -56,6 +61,7 @@ from .language_model import format_throughput, generation_throughput, training_t
 from .overhead import DECODE_CASES, call_overhead, format_overhead
 from .peaks import copy_bandwidth, describe_device
 from .report import format_table, with_setup_columns
+from .sweep import ROW_COMPONENTS, format_sweep, plot_sweeps, row_length_sweep
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,74 @@ def decode_targets() -> list[Target]:
             for case in DECODE_CASES for backward in (False, True) for level in KERNEL_LEVELS]
 
 
+LONG_SOFTMAX = Benchmark("softmax forward float32 4096x262144", "softmax", (4096, 262144), torch.float32)
+"""Rows of 262,144 float32 elements (1 MB each): more than one SM's registers and shared memory hold."""
+
+SWEEPS = {
+    "sweep": [(component, dtype, False) for component in ROW_COMPONENTS for dtype in (torch.float32, torch.bfloat16)],
+    "sweep-backward": [(component, dtype, True) for component in ("layer_norm", "rms_norm")
+                       for dtype in (torch.float32, torch.bfloat16)],
+}
+"""(component, dtype, backward) of each row-length sweep, per suite part."""
+
+SWEEP_TARGETS_FROM = 512
+"""Row lengths below this are measured and plotted but not judged by the targets."""
+
+
+def sweep_name(component: str, dtype: torch.dtype, backward: bool) -> str:
+    return f"{component} {_pass_name(backward)} {str(dtype).removeprefix('torch.')}"
+
+
+def sweep_targets(name: str, backward: bool) -> list[Target]:
+    """Held at every row length from ``SWEEP_TARGETS_FROM`` up: forward ≥ 85 % of copy bandwidth and no
+    slower than torch.compile; forward+backward ≥ 70 % and no slower than torch.compile or PyTorch's
+    own kernel."""
+    targets = []
+    for level in KERNEL_LEVELS:
+        targets += [Target(name, level, 70.0 if backward else 85.0), Target(name, level, 1.0, "compile")]
+        if backward:
+            targets.append(Target(name, level, 1.0, FASTEST_REFERENCE))
+    return targets
+
+
+def run_sweeps(device: torch.device, out: Path, part: str, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
+    sweeps = {}
+    for component, dtype, backward in SWEEPS[part]:
+        name = sweep_name(component, dtype, backward)
+        if not _chosen(name, only):
+            continue
+        sweeps[name] = row_length_sweep(component, dtype=dtype, device=device, backward=backward, budget_s=budget_s)
+        tqdm.write(format_sweep(sweeps[name]) + "\n")
+        # Rewritten after every sweep, so a run cut short still leaves what it measured.
+        pd.concat([with_setup_columns(sweep) for sweep in sweeps.values()]).to_csv(out / f"{part}.csv", index=False)
+    if sweeps:
+        plot_sweeps(list(sweeps.values()), str(out / f"{part}.png"))
+    return sweeps
+
+
+def check_sweep_targets(sweeps: dict[str, pd.DataFrame], path: Path, extra: str = "") -> str:
+    """Each sweep target at its worst row length from ``SWEEP_TARGETS_FROM`` up: the value judged and
+    where it falls, with the same point's graph-replay value beside it."""
+    lines = [f"| target (every row length ≥ {SWEEP_TARGETS_FROM}) | worst eager | at row length | graph replay there "
+             "| met (eager) |", "| --- | --- | --- | --- | --- |"]
+    for name, sweep in sweeps.items():
+        points = {row_length: {name: table} for row_length, table in sweep.groupby("row_length")
+                  if row_length >= SWEEP_TARGETS_FROM}
+        if not points:
+            continue
+        for target in sweep_targets(name, sweep.attrs["backward"]):
+            eager = {row_length: target.measure(tables) for row_length, tables in points.items()}
+            # A point that did not run is the worst of all: it must show, not vanish into min().
+            worst = min(eager, key=lambda row_length: (not math.isnan(eager[row_length]), eager[row_length]))
+            graph = target.measure(points[worst], "graph_ms")
+            unit = " %" if target.versus is None else "×"
+            shown = [f"{value:.2f}{unit}" if not math.isnan(value) else "-" for value in (eager[worst], graph)]
+            lines.append(f"| {target.describe()} | {shown[0]} | {worst:,} | {shown[1]} | {target.met(eager[worst])} |")
+    report = "\n".join(lines) + ("\n\n" + extra if extra else "")
+    path.write_text(report + "\n")
+    return report
+
+
 def environment(device: torch.device) -> dict:
     import triton
 
@@ -383,7 +457,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-cpu", "kernels", "models", "generation", "overhead")
+PARTS = ("tests", "tests-cpu", "kernels", "models", "generation", "overhead", "sweep", "sweep-backward")
 
 
 def main(argv=None) -> int:
@@ -417,6 +491,16 @@ def main(argv=None) -> int:
     for part in parts:
         if part in TEST_SELECTIONS:
             status = run_tests(part, out) or status
+            continue
+        if part in SWEEPS:
+            sweeps = run_sweeps(device, out, part, arguments.budget, arguments.only)
+            long_rows = ""
+            if part == "sweep" and _chosen(LONG_SOFTMAX.name, arguments.only):
+                tables = run_kernel_benchmarks(device, out, arguments.budget, benchmarks=[LONG_SOFTMAX],
+                                               name="softmax-long-rows")
+                long_rows = check_targets(tables, [Target(LONG_SOFTMAX.name, level, 90.0) for level in KERNEL_LEVELS],
+                                          out / "targets-softmax-long-rows.md")
+            print(check_sweep_targets(sweeps, out / f"targets-{part}.md", long_rows), flush=True)
             continue
         if part == "kernels":
             tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only)

@@ -211,3 +211,38 @@ def test_the_command_line_says_what_it_will_do_prints_the_table_and_writes_csv_a
     assert list(written["level"]) == ["native", "compile", "F.silu (PyTorch fused)",
                                       "native", "compile", "F.layer_norm (PyTorch fused)"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_row_length_sweep_keeps_the_total_and_writes_a_table_csv_and_plot(tmp_path, capsys):
+    csv, png = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    status = main(["--sweep", "row_length", "--component", "softmax", "--device", "cpu", "--levels", "1", "5",
+                   "--total", "1024", "--budget", "0.02", "--csv", str(csv), "--plot", str(png)])
+    assert status == 0
+    written = pd.read_csv(csv)
+    # Row lengths above the total are left out; every point holds the same 1024 elements.
+    assert sorted(set(written["row_length"])) == [128, 512]
+    assert (written["rows"] * written["row_length"] == 1024).all()
+    assert (written["status"] == "ok").all() and written["within_tolerance"].all()
+    table = capsys.readouterr().out
+    assert "softmax forward, float32 on cpu, 1,024 elements per point" in table and "5 CUDA C++" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_of_a_component_that_is_not_row_wise_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--sweep", "row_length", "--component", "attention", "--device", "cpu"])
+
+
+def test_sweep_targets_judge_the_worst_row_length_and_report_where_it_is(tmp_path):
+    from profiling.gpu_suite import check_sweep_targets
+
+    points = []
+    for row_length, pct in ((128, 10.0), (512, 90.0), (2048, 80.0)):
+        table = synthetic_table("memory", pct=pct).assign(level=["compile", "cuda"], row_length=row_length)
+        points.append(table)
+    sweep = pd.concat(points, ignore_index=True)
+    sweep.attrs.update(backward=False)
+    report = check_sweep_targets({"softmax forward float32": sweep}, tmp_path / "targets.md")
+    # 128 is below the judged range; 2048 (80 %) is the worst point from 512 up.
+    assert "| softmax forward float32: 5 CUDA C++ ≥ 85 % of copy bandwidth | 80.00 % | 2,048 |" in report
+    assert "**no**" in report and (tmp_path / "targets.md").read_text().strip() == report.strip()
