@@ -87,6 +87,14 @@ inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The SMs of the current GPU: how many blocks it takes to keep every one of them busy.
+inline int multiprocessor_count() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count;
+}
+
 // One block per row: enough warps that `values_per_thread` values each cover the row
 // (n <= 1024 * values_per_thread).
 inline int row_threads(int64_t n, int values_per_thread) {
@@ -136,11 +144,13 @@ __device__ __forceinline__ T shuffle_xor(T value, int lane_mask) {
   return value;
 }
 
-// Butterfly: after 5 exchanges every lane holds the combination of all 32 lanes.
-template <typename T, typename Combine>
+// Butterfly: after 5 exchanges every lane holds the combination of all 32 lanes. With kLanes < 32,
+// each aligned group of kLanes lanes (a power of two) combines only its own values: the exchanges
+// with lane masks below kLanes never leave the group.
+template <int kLanes = kWarpSize, typename T, typename Combine>
 __device__ __forceinline__ T warp_reduce(T value, Combine combine) {
 #pragma unroll
-  for (int mask = kWarpSize / 2; mask > 0; mask /= 2) value = combine(value, shuffle_xor(value, mask));
+  for (int mask = kLanes / 2; mask > 0; mask /= 2) value = combine(value, shuffle_xor(value, mask));
   return value;
 }
 

@@ -85,7 +85,12 @@ void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x
                                 int64_t n, void* stream);
 
 // softmax over each row of x (rows, n).
-void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, void* stream);
+void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, int64_t splits,
+                            void* partials, void* stream);
+// How many slices the forward splits each row into (1: none): rows too long for an SM (or a cluster of
+// them) to hold, and too few to fill the GPU. With splits > 1, launch_softmax_forward needs `partials`,
+// rows * splits (max, sum) pairs of the accumulator type (float; double for float64).
+int64_t softmax_forward_splits(DType dtype, int64_t rows, int64_t n);
 // grad_x = y * (grad_out - sum(grad_out * y)) row by row.
 void launch_softmax_backward(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n,
                              void* stream);

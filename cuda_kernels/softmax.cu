@@ -4,26 +4,37 @@
 //   forward    y = exp(x - max x) / sum(exp(x - max x))
 //   backward   dx = y * (dy - sum(dy * y))
 //
-// Kernels
-//   softmax_forward_warp_kernel       short rows (up to 32 values per lane): one warp per row, 4 rows per
-//                                     block, the row in registers; x read once, y written once
+// Kernels, by row length (the launcher picks; every one reads x once and writes y once unless noted)
+//   softmax_forward_warp_kernel       short rows (up to 32 values per lane): a group of 1 to 32 lanes per
+//                                     row, the row in registers, so 128-element rows keep all 32 lanes
+//                                     of a warp busy (8 rows a warp) instead of 4 of them
 //   softmax_forward_shared_kernel     rows of up to 64 KB: one block per row; the row is copied into
 //                                     shared memory with cp.async and read there twice (statistics,
-//                                     then output); x read from memory once, y written once
-//   softmax_forward_online_kernel     longer rows, any length: pass 1 keeps an ONLINE (running max,
-//                                     rescaled running sum) per thread, pass 2 re-reads x and writes y
+//                                     then output)
+//   softmax_forward_cluster_kernel    rows of up to 16 x 64 KB, Hopper (sm_90) and later: a thread-block
+//                                     CLUSTER per row, each block staging a 64 KB slice in its shared
+//                                     memory; the blocks swap their (max, sum) through distributed
+//                                     shared memory, so the row is still read from HBM once
+//   softmax_partials_kernel +         longer rows when there are too few of them to fill the GPU (or no
+//   softmax_normalise_kernel          clusters): each row split over many blocks; pass 1 writes each
+//                                     slice's (max, sum), pass 2 merges its row's and re-reads x
+//   softmax_forward_online_kernel     long rows, enough of them: one block per row, an ONLINE (running
+//                                     max, rescaled running sum) per thread, then x re-read for y
 //   softmax_backward_kernel           one block per row: pass 1 sums dy*y, pass 2 re-reads (from L1/L2)
 //
 // The one idea that makes it fast
 //   One reduction, not two. Each thread turns its values into a (max, sum of exp(x - max)) pair, and
 //   pairs merge exactly: (m, s) + (m', s') = (M, s*exp(m - M) + s'*exp(m' - M)), M = max(m, m'). So the
-//   row's max and sum cross the warp (shuffles) and the block (one shared-memory step) together. The
-//   same merge lets the online kernel stream a row of any length with one pass for the statistics.
+//   row's max and sum cross the warp (shuffles), the block (one shared-memory step) and the cluster
+//   (one exchange between SMs) together. The same merge lets the online kernel stream a row of any
+//   length with one pass for the statistics, and the split kernels combine slices in any order.
 //   A memory-bound kernel is as fast as the bytes it keeps in flight: a block-per-row kernel holds
 //   its row somewhere while it reduces, and shared memory (227 KB an SM: 7 rows of 8192 floats) holds
 //   more rows than registers do (4 rows, at 64 registers a thread), so more loads are in flight. On an
 //   H100 at (8192, 8192) float32: 0.182 ms, 99 % of a device-to-device copy, where the row held in
-//   registers reached 90 % and torch.softmax takes 0.290 ms.
+//   registers reached 90 % and torch.softmax takes 0.290 ms. A row longer than one SM can hold is read
+//   twice (online, split) unless a cluster of SMs holds it together; rows too few for 132 SMs leave
+//   most of the GPU idle unless they are split. profiling/results/h100/sweep.png shows both ends.
 //
 // Limits
 //   Any n >= 1: rows of up to 64 KB in shared memory, longer ones (and rows that cannot be copied in
@@ -37,40 +48,54 @@
 //   python -m pytest tests -k "softmax and cuda"
 #include <algorithm>
 
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace kernel_ladder {
 
-// Short rows: a warp per row, 128 bytes of the row per lane in registers (32 floats, 16 doubles).
-template <typename A> constexpr int kWarpRowValues = 128 / static_cast<int>(sizeof(A));
-constexpr int kRowsPerWarpBlock = 4;  // 4 warps, one row each, per 128-thread block
-// Longer rows: one block per row, at most 512 threads (the online kernel's float64 exp needs the
-// registers that 1024 threads would not leave), at least 8 packs per thread.
+// Short rows: a group of kLanes lanes per row, 128 bytes of the row per lane in registers (32 floats,
+// 16 doubles); a warp takes 32 / kLanes rows.
+template <typename A> constexpr int kLaneRowValues = 128 / static_cast<int>(sizeof(A));
+constexpr int kWarpsPerBlock = 4;  // 128-thread blocks
+// Longer rows: one block per row (or per slice of a row), at most 512 threads (the online kernel's
+// float64 exp needs the registers that 1024 threads would not leave), at least 8 packs per thread.
 constexpr int kSoftmaxMaxThreads = 512;
 constexpr int kPacksPerThread = 8;
-constexpr int64_t kSharedRowBytes = 64 * 1024;  // the largest row the shared-memory kernel stages
+// The most of a row one block stages in shared memory: 64 KB leaves room for 3 blocks an SM, so one
+// block's copies fly while another reduces and a third writes.
+constexpr int64_t kSharedRowBytes = 64 * 1024;
+constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (beyond 8 is "non-portable", opted into)
+// Split rows: enough blocks for 4 per SM, each slice at least 64 KB so a block's fixed cost is small.
+constexpr int kSplitBlocksPerSM = 4;
+constexpr int64_t kMinSliceBytes = 64 * 1024;
 
-template <typename T, int kVec>
-__global__ void __launch_bounds__(kRowsPerWarpBlock * kWarpSize)
+template <typename T, int kVec, int kLanes>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
 softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t n) {
   using A = Acc<T>;
-  constexpr int kPacks = kWarpRowValues<A> / kVec;
-  const int64_t row = int64_t{blockIdx.x} * kRowsPerWarpBlock + threadIdx.x / kWarpSize;
-  if (row >= rows) return;  // a whole warp leaves: no shuffle waits for it
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  constexpr int kPacks = kLaneRowValues<A> / kVec;
+  constexpr int kRowsPerWarp = kWarpSize / kLanes;
+  const int64_t first_row_of_warp = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kRowsPerWarp;
+  if (first_row_of_warp >= rows) return;  // a whole warp leaves: no shuffle waits for it
+  // Lanes past the last row stay for the shuffles (which take the whole warp) but read and write nothing.
+  const int64_t row = first_row_of_warp + threadIdx.x % kWarpSize / kLanes;
+  const bool row_exists = row < rows;
+  const int lane = static_cast<int>(threadIdx.x) % kLanes;
   const int n_packs = static_cast<int>(n / kVec);
   const T* x_row = x + row * n;
-  // Lane l owns packs l, l + 32, ...: the warp reads 32 adjacent packs at each step.
+  // Lane l of the group owns packs l, l + kLanes, ...: the group reads kLanes adjacent packs at each step.
   A values[kPacks][kVec];
   MaxSum<A> mine;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kWarpSize;
+    const int pack = lane + k * kLanes;
+    const bool inside = row_exists && pack < n_packs;
     Pack<T, kVec> in;
-    if (pack < n_packs) in = load_pack_once<T, kVec>(x_row + pack * kVec);
+    if (inside) in = load_pack_once<T, kVec>(x_row + pack * kVec);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      values[k][j] = pack < n_packs ? to_acc(in.val[j]) : A(-INFINITY);
+      values[k][j] = inside ? to_acc(in.val[j]) : A(-INFINITY);
       mine.max = fmax(mine.max, values[k][j]);
     }
   }
@@ -85,13 +110,14 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
       mine.sum += values[k][j];
     }
   }
-  const MaxSum<A> total = warp_reduce(mine, Merge{});
+  const MaxSum<A> total = warp_reduce<kLanes>(mine, Merge{});
+  if (!row_exists) return;
   // exp(x - M) / sum = exp(x - m) * (exp(m - M) / sum): one multiply per value, no second exp. A row of
   // only -inf has M = -inf and sum 0: NaN, as torch.softmax gives.
   const A factor = exp_acc(mine.max - total.max) / total.sum;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kWarpSize;
+    const int pack = lane + k * kLanes;
     if (pack >= n_packs) continue;
     Pack<T, kVec> out;
 #pragma unroll
@@ -100,51 +126,127 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
   }
 }
 
-// y = exp(x - max) / sum for this thread's packs of a row (t, t + blockDim.x, ...), given the row's
-// statistics; load(pack) reads x's pack from wherever the kernel keeps it.
+// y = exp(x - max) / sum for this thread's packs of a row or slice (t, t + blockDim.x, ...), given the
+// row's statistics; load(pack) reads x's pack from wherever the kernel keeps it.
 template <typename T, int kVec, typename Load>
-__device__ __forceinline__ void write_probabilities(T* y_row, int64_t n_packs, MaxSum<Acc<T>> total, Load load) {
+__device__ __forceinline__ void write_probabilities(T* y_slice, int64_t n_packs, MaxSum<Acc<T>> total, Load load) {
   const Acc<T> inverse_sum = Acc<T>(1) / total.sum;
   for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
     const Pack<T, kVec> in = load(pack);
     Pack<T, kVec> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(exp_acc(to_acc(in.val[j]) - total.max) * inverse_sum);
-    store_pack_once<T, kVec>(y_row + pack * kVec, out);
+    store_pack_once<T, kVec>(y_slice + pack * kVec, out);
   }
 }
 
-// The row is staged in shared memory, 16-byte packs. Each thread copies, and later reads, only its
-// own packs (t, t + blockDim.x, ...), so its own cp.async wait is all the ordering it needs; the one
-// barrier is the reduction's. Nothing is held in registers while the copies fly.
+// Copies n_packs 16-byte packs of x into shared memory and returns the block's (max, sum) of them.
+// Each thread copies, and later reads, only its own packs (t, t + blockDim.x, ...), so its own
+// cp.async wait is all the ordering it needs; the barriers are the reduction's. Nothing is held in
+// registers while the copies fly.
 template <typename T>
-__global__ void __launch_bounds__(kSoftmaxMaxThreads)
-softmax_forward_shared_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
+__device__ __forceinline__ MaxSum<Acc<T>> stage_and_reduce(const T* x_slice, T* staged, int n_packs) {
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
-  T* row = reinterpret_cast<T*>(shared_bytes);
-  const int n_packs = static_cast<int>(n / kVec);
-  const T* x_row = x + int64_t{blockIdx.x} * n;
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    copy_async_16(row + pack * kVec, x_row + pack * kVec, true);
+    copy_async_16(staged + pack * kVec, x_slice + pack * kVec, true);
   }
   copy_async_commit();
   copy_async_wait<0>();
   MaxSum<A> mine;
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(row + pack * kVec);
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) mine.max = fmax(mine.max, to_acc(in.val[j]));
   }
   const A shift = mine.max == A(-INFINITY) ? A(0) : mine.max;  // as in the warp kernel
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(row + pack * kVec);
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) mine.sum += exp_acc(to_acc(in.val[j]) - shift);
   }
-  write_probabilities<T, kVec>(y + int64_t{blockIdx.x} * n, n_packs, block_reduce(mine, Merge{}),
+  return block_reduce(mine, Merge{});  // a thread of only -inf gives (-inf, 0): merge's identity
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads)
+softmax_forward_shared_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
+  constexpr int kVec = kVecOf<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* row = reinterpret_cast<T*>(shared_bytes);
+  const int n_packs = static_cast<int>(n / kVec);
+  const MaxSum<Acc<T>> total = stage_and_reduce<T>(x + int64_t{blockIdx.x} * n, row, n_packs);
+  write_probabilities<T, kVec>(y + int64_t{blockIdx.x} * n, n_packs, total,
                                [&](int64_t pack) { return load_pack<T, kVec>(row + pack * kVec); });
+}
+
+// One cluster per row (a 1-D grid of rows x cluster size blocks), block r of a cluster owning slice r of
+// slice_packs packs. After each block has its slice's (max, sum), the cluster barrier makes every
+// block's shared memory readable by the others (distributed shared memory: SM-to-SM, not through L2
+// or HBM); each warp reads the cluster's pairs, one a lane, and merges them. The second barrier keeps
+// every block (and so its shared memory) alive until all have read.
+template <typename T>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads)
+softmax_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n, int64_t slice_packs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  __shared__ MaxSum<A> slice_statistics;
+  T* slice = reinterpret_cast<T*>(shared_bytes);
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank()), blocks = static_cast<int>(cluster.num_blocks());
+  const int64_t first_pack = rank * slice_packs;
+  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - first_pack));
+  const int64_t offset = int64_t{blockIdx.x} / blocks * n + first_pack * kVec;
+  const MaxSum<A> mine = stage_and_reduce<T>(x + offset, slice, n_packs);
+  if (threadIdx.x == 0) slice_statistics = mine;
+  cluster.sync();
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  MaxSum<A> theirs;
+  if (lane < blocks) theirs = *cluster.map_shared_rank(&slice_statistics, lane);
+  const MaxSum<A> total = warp_reduce(theirs, Merge{});
+  cluster.sync();
+  write_probabilities<T, kVec>(y + offset, n_packs, total,
+                               [&](int64_t pack) { return load_pack<T, kVec>(slice + pack * kVec); });
+#else
+  __trap();  // the launcher runs this kernel only where it was compiled for sm_90 or later
+#endif
+}
+
+// Split rows, pass 1: block b folds slice b % splits of row b / splits into one (max, sum), written
+// to partials[b] for pass 2. Plain loads: the slice may still be in L2 when pass 2 re-reads it.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads)
+softmax_partials_kernel(const T* __restrict__ x, MaxSum<Acc<T>>* __restrict__ partials, int64_t n, int splits,
+                        int64_t slice_packs) {
+  using A = Acc<T>;
+  const int64_t first_pack = blockIdx.x % splits * slice_packs;
+  const int64_t n_packs = min(slice_packs, n / kVec - first_pack);
+  const T* x_slice = x + int64_t{blockIdx.x} / splits * n + first_pack * kVec;
+  MaxSum<A> mine;
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    mine = merge(mine, max_sum_of_pack<T, kVec>(load_pack<T, kVec>(x_slice + pack * kVec)));
+  }
+  mine = block_reduce(mine, Merge{});
+  if (threadIdx.x == 0) partials[blockIdx.x] = mine;
+}
+
+// Split rows, pass 2: every block merges its row's partials (a few dozen pairs) and writes its slice.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads)
+softmax_normalise_kernel(const T* __restrict__ x, const MaxSum<Acc<T>>* __restrict__ partials, T* __restrict__ y,
+                         int64_t n, int splits, int64_t slice_packs) {
+  const int64_t row = blockIdx.x / splits;
+  MaxSum<Acc<T>> total;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) total = merge(total, partials[row * splits + s]);
+  total = block_reduce(total, Merge{});
+  const int64_t first_pack = blockIdx.x % splits * slice_packs;
+  const int64_t n_packs = min(slice_packs, n / kVec - first_pack);
+  const int64_t offset = row * n + first_pack * kVec;
+  write_probabilities<T, kVec>(y + offset, n_packs, total,
+                               [&](int64_t pack) { return load_pack_once<T, kVec>(x + offset + pack * kVec); });
 }
 
 // Rows too long for shared memory, or not in 16-byte packs. Each thread folds its packs into a
@@ -191,15 +293,81 @@ softmax_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ y,
 
 // --- launchers -----------------------------------------------------------------------------------
 
-void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, void* stream) {
+// Whether the cluster kernel runs here: compiled for sm_90 or later (cudaFuncGetAttributes reports the
+// image this device loaded), so an older build or GPU takes the split or online kernels instead.
+template <typename T>
+bool clusters_available() {
+  static const bool available = [] {
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, softmax_forward_cluster_kernel<T>) != cudaSuccess) return false;
+    return attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
+  }();
+  return available;
+}
+
+int64_t softmax_forward_splits(DType dtype, int64_t rows, int64_t n) {
+  int64_t splits = 1;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
+    const int64_t held_on_chip = kSharedRowBytes * (clusters_available<T>() ? kMaxClusterBlocks : 1);
+    if (row_bytes <= held_on_chip) return;
+    // Enough slices for kSplitBlocksPerSM blocks an SM over all rows, none under kMinSliceBytes.
+    const int64_t wanted = ceil_div(int64_t{kSplitBlocksPerSM} * multiprocessor_count(), rows);
+    splits = std::max<int64_t>(1, std::min(wanted, row_bytes / kMinSliceBytes));
+  });
+  return splits;
+}
+
+template <typename T>
+void launch_softmax_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
+  constexpr int kVec = kVecOf<T>;
+  const auto blocks = static_cast<unsigned>(ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes));
+  const int64_t slice_packs = ceil_div(n / kVec, blocks);
+  const auto bytes = static_cast<int>(slice_packs * 16);
+  const auto kernel = softmax_forward_cluster_kernel<T>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);  // clusters of 9 to 16
+  cudaLaunchAttribute cluster_shape;
+  cluster_shape.id = cudaLaunchAttributeClusterDimension;
+  cluster_shape.val.clusterDim.x = blocks;
+  cluster_shape.val.clusterDim.y = 1;
+  cluster_shape.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
+  config.blockDim = dim3(static_cast<unsigned>(row_threads(slice_packs * kVec, kPacksPerThread * kVec)));
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  config.attrs = &cluster_shape;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, x, y, n, slice_packs);
+}
+
+// Calls fn(std::integral_constant<int, kLanes>{}) with the fewest lanes (a power of two) whose
+// registers hold a row of n values, kLaneRowValues each.
+template <typename A, typename Fn>
+void dispatch_lanes_per_row(int64_t n, Fn&& fn) {
+  const int64_t lanes = ceil_div(n, kLaneRowValues<A>);
+  if (lanes <= 1) fn(std::integral_constant<int, 1>{});
+  else if (lanes <= 2) fn(std::integral_constant<int, 2>{});
+  else if (lanes <= 4) fn(std::integral_constant<int, 4>{});
+  else if (lanes <= 8) fn(std::integral_constant<int, 8>{});
+  else if (lanes <= 16) fn(std::integral_constant<int, 16>{});
+  else fn(std::integral_constant<int, 32>{});
+}
+
+void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, int64_t splits,
+                            void* partials, void* stream) {
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    using A = Acc<T>;
     const auto s = static_cast<cudaStream_t>(stream);
     const bool vectorise = n % kVecOf<T> == 0 && aligned_16(x) && aligned_16(y);
     const T* in = static_cast<const T*>(x);
     T* out = static_cast<T*>(y);
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
-    if (vectorise && n > kWarpSize * kWarpRowValues<Acc<T>> && row_bytes <= kSharedRowBytes) {
+    const bool short_row = n <= kWarpSize * kLaneRowValues<A>;
+    if (vectorise && !short_row && row_bytes <= kSharedRowBytes) {
       const int threads = row_threads(n, kPacksPerThread * kVecOf<T>);
       const auto bytes = static_cast<int>(row_bytes);
       // Beyond 48 KB a kernel's dynamic shared memory must be asked for (per device, so every launch).
@@ -207,11 +375,27 @@ void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, i
       softmax_forward_shared_kernel<T><<<static_cast<unsigned>(rows), threads, bytes, s>>>(in, out, n);
       return;
     }
+    if (vectorise && !short_row && row_bytes <= kMaxClusterBlocks * kSharedRowBytes && clusters_available<T>()) {
+      launch_softmax_cluster<T>(in, out, rows, n, s);
+      return;
+    }
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
-      if (n <= kWarpSize * kWarpRowValues<Acc<T>>) {
-        softmax_forward_warp_kernel<T, kVec>
-            <<<static_cast<unsigned>(ceil_div(rows, kRowsPerWarpBlock)), kRowsPerWarpBlock * kWarpSize, 0, s>>>(in, out, rows, n);
+      if (short_row) {
+        dispatch_lanes_per_row<A>(n, [&](auto lanes) {
+          constexpr int kLanes = decltype(lanes)::value;
+          const int64_t rows_per_block = kWarpsPerBlock * (kWarpSize / kLanes);
+          softmax_forward_warp_kernel<T, kVec, kLanes>
+              <<<static_cast<unsigned>(ceil_div(rows, rows_per_block)), kWarpsPerBlock * kWarpSize, 0, s>>>(in, out, rows, n);
+        });
+      } else if (splits > 1) {
+        const int64_t slice_packs = ceil_div(n / kVec, splits);
+        const auto blocks = static_cast<unsigned>(rows * splits);
+        const int threads = static_cast<int>(std::min<int64_t>(kSoftmaxMaxThreads, row_threads(slice_packs * kVec, 4 * kVec)));
+        auto* statistics = static_cast<MaxSum<A>*>(partials);
+        softmax_partials_kernel<T, kVec><<<blocks, threads, 0, s>>>(in, statistics, n, static_cast<int>(splits), slice_packs);
+        softmax_normalise_kernel<T, kVec><<<blocks, threads, 0, s>>>(in, statistics, out, n, static_cast<int>(splits),
+                                                                     slice_packs);
       } else {
         softmax_forward_online_kernel<T, kVec><<<static_cast<unsigned>(rows), kSoftmaxMaxThreads, 0, s>>>(in, out, n);
       }

@@ -24,7 +24,14 @@ at::Tensor softmax_forward(const at::Tensor& x) {
   run_on_device_of(
       input,
       [&](void* stream) {
-        launch_softmax_forward(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n, stream);
+        // Rows split over several blocks meet through a small buffer of per-slice (max, sum) pairs.
+        const int64_t splits = softmax_forward_splits(dtype, row_count, n);
+        at::Tensor partials;
+        if (splits > 1) {
+          partials = at::empty({row_count * splits, 2}, input.options().dtype(dtype == DType::Float64 ? at::kDouble : at::kFloat));
+        }
+        launch_softmax_forward(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n, splits,
+                               splits > 1 ? partials.mutable_data_ptr() : nullptr, stream);
       },
       [&] { softmax_forward_cpu(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n); });
   return y;

@@ -8,7 +8,7 @@ from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
 
 from .conftest import grid_params
-from .helpers import build_pair, forward_and_gradients, make_inputs
+from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
 
 
 def expected_output_dtype(module, dtype):
@@ -52,3 +52,17 @@ def test_inference_forward_matches_float64_reference(component, config, shape, l
     assert output.dtype == expected_output_dtype(module, dtype) and output.shape == expected.shape
     error = relative_max_error(output, expected)
     assert error <= TOLERANCE[dtype], f"relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+# Level 5's softmax picks its kernel by row length (softmax.cu): 4 lanes a row (128 values), a block
+# staging the row in shared memory (4096), a cluster of 3 blocks on Hopper (40000 floats: 160 KB), and
+# a few 2.4 MB rows split over many blocks; odd lengths take the unvectorised versions.
+SOFTMAX_ROW_STRATEGY_SHAPES = [(4099, 128), (33, 4096), (5, 40000), (3, 600000), (3, 600001), (2, 40001)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SOFTMAX_ROW_STRATEGY_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softmax_matches_float64_reference_at_every_row_strategy(shape, dtype):
+    module, reference = build_pair("softmax", "cuda", {"dim": -1}, "cuda", dtype)
+    assert_matches_float64_reference(module, reference, module.example_inputs(shape, dtype, "cuda"), TOLERANCE[dtype])
