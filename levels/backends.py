@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 
 from .spec import LevelUnavailableError
 
@@ -25,6 +26,17 @@ def triton_backend():
 def cuda_backend():
     """``cuda_kernels.ops``: importing it builds (first time only) and loads the extension's ops."""
     return importlib.import_module("cuda_kernels.ops")
+
+
+def liger_ops(device=None):
+    """Liger-Kernel's Triton ops (``liger_kernel.ops``), the peer whose LayerNorm, RMSNorm and softmax
+    stand as extra reference rows on a GPU; None where it is not installed (it is optional, never
+    required) or ``device`` is not a GPU (its kernels are not meant for Triton's CPU interpreter)."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda" or importlib.util.find_spec("liger_kernel") is None:
+        return None
+    return importlib.import_module("liger_kernel.ops")
 
 
 # The legacy fuser's deprecation notice, exactly as PyTorch words it. Level 2 exists to teach that

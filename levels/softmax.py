@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from .backends import cuda_backend, inductor, torchscript, triton_backend
+from .backends import cuda_backend, inductor, liger_ops, torchscript, triton_backend
 from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 
@@ -66,7 +66,11 @@ class SoftmaxSpec(ComponentSpec):
         return (5 + (4 if backward else 0)) * element_count(shape)
 
     def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        return {"torch.softmax (PyTorch fused)": _PyTorchSoftmax(self.dim)}
+        references = {"torch.softmax (PyTorch fused)": _PyTorchSoftmax(self.dim)}
+        liger = liger_ops(device)
+        if liger is not None and self.dim == -1:  # Liger's softmax takes the last dim only
+            references["Liger softmax"] = _LigerSoftmax(liger)
+        return references
 
 
 class _PyTorchSoftmax(nn.Module):
@@ -76,6 +80,17 @@ class _PyTorchSoftmax(nn.Module):
 
     def forward(self, x):
         return torch.softmax(x, self.dim)
+
+
+class _LigerSoftmax(nn.Module):
+    """Liger-Kernel's Triton softmax over the last dim, as a reference row."""
+
+    def __init__(self, liger):
+        super().__init__()
+        self.function = liger.LigerSoftmaxFunction
+
+    def forward(self, x):
+        return self.function.apply(x)
 
 
 class SoftmaxNative(SoftmaxSpec):
