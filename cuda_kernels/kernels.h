@@ -65,6 +65,9 @@ struct AdamWFactors {
 
 // y = x * sigmoid(beta * x)
 void launch_swish_forward(DType dtype, const void* x, void* y, int64_t numel, double beta, void* stream);
+// The same y by version 1, 2 or 3 of the climb to launch_swish_forward's kernel (swish.cu lists them).
+void launch_swish_forward_version(DType dtype, const void* x, void* y, int64_t numel, double beta, int version,
+                                  void* stream);
 // grad_x = grad_out * s * (1 + beta * x * (1 - s)),  s = sigmoid(beta * x) recomputed
 void launch_swish_backward(DType dtype, const void* grad_out, const void* x, void* grad_x, int64_t numel,
                            double beta, void* stream);

@@ -218,6 +218,11 @@ def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
     return _swish_forward(x, beta)
 
 
+def swish_version(x: torch.Tensor, beta: float, version: int) -> torch.Tensor:
+    """y = x * sigmoid(beta * x) by ``version`` of ``limits.SWISH_VERSIONS``: forward only, CUDA tensors only."""
+    return _ops.swish_forward_version.default(x, beta, version)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim of ``x`` (..., N) by our kernels, differentiable; returns only
     the output (the saved mean and rstd stay inside the autograd graph)."""
@@ -283,5 +288,5 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     _adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step)
 
 
-__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear", "linear_cross_entropy",
-           "softmax", "swish"]
+__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear",
+           "linear_cross_entropy", "softmax", "swish", "swish_version"]

@@ -11,6 +11,12 @@
 //   matter are wide, coalesced accesses and enough of them in flight (a full GPU of 256-thread blocks).
 //   The backward recomputes s: one exp costs nothing next to writing s forward and reading it back.
 //
+// The climb to this kernel, kept runnable (swish_forward_version; lesson 01 shows each one's H100
+// time), each version the same as the one before but:
+//   version 1  one element per thread, IEEE expf and division: what a first port from C++ writes
+//   version 2  the hardware's exp and reciprocal units (__expf, __fdividef) instead of IEEE's routines
+//   version 3  16-byte packs (4 floats, 8 halves a load) with streaming cache hints: swish_forward_kernel
+//
 // Limits
 //   Any numel (the last thread takes the ragged tail one element at a time); contiguous memory.
 //   float16, bfloat16, float32 (computed in float32) and float64. Pointers that are not 16-byte aligned
@@ -28,11 +34,17 @@ constexpr int kSwishThreads = 256;
 // __expf is the hardware's exp2 unit (MUFU.EX2) plus a multiply, and __fdividef a reciprocal (MUFU.RCP)
 // and a multiply: a few ulp each, without the ~20 instructions and the slow-path branch of IEEE expf
 // and division. The denominator is >= 1 (or inf, giving 0, the right limit), where both are accurate.
-__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f + __expf(-z)); }
+// (kFastMath = false is version 1's IEEE arithmetic, kept for the climb.)
+template <bool kFastMath = true>
+__device__ __forceinline__ float sigmoid(float z) {
+  if constexpr (kFastMath) return __fdividef(1.0f, 1.0f + __expf(-z));
+  return 1.0f / (1.0f + expf(-z));
+}
+template <bool kFastMath = true>
 __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 
-template <typename A>
-__device__ __forceinline__ A swish_value(A x, A beta) { return x * sigmoid(beta * x); }
+template <bool kFastMath = true, typename A>
+__device__ __forceinline__ A swish_value(A x, A beta) { return x * sigmoid<kFastMath>(beta * x); }
 
 template <typename A>
 __device__ __forceinline__ A swish_gradient(A dy, A x, A beta) {
@@ -46,7 +58,7 @@ __device__ __forceinline__ int64_t first_element_of_thread() {
   return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
 }
 
-template <typename T, int kVec>
+template <typename T, int kVec, bool kFastMath = true>
 __global__ void __launch_bounds__(kSwishThreads)
 swish_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t numel, Acc<T> beta) {
   const int64_t first = first_element_of_thread<kVec>();
@@ -54,10 +66,10 @@ swish_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t numel, 
     const Pack<T, kVec> in = load_pack_once<T, kVec>(x + first);
     Pack<T, kVec> out;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(swish_value(to_acc(in.val[j]), beta));
+    for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(swish_value<kFastMath>(to_acc(in.val[j]), beta));
     store_pack_once<T, kVec>(y + first, out);
   } else {
-    for (int64_t i = first; i < numel; ++i) y[i] = from_acc<T>(swish_value(to_acc(x[i]), beta));
+    for (int64_t i = first; i < numel; ++i) y[i] = from_acc<T>(swish_value<kFastMath>(to_acc(x[i]), beta));
   }
 }
 
@@ -90,6 +102,23 @@ void launch_swish_forward(DType dtype, const void* x, void* y, int64_t numel, do
       swish_forward_kernel<T, kVec><<<swish_grid<kVec>(numel), kSwishThreads, 0, static_cast<cudaStream_t>(stream)>>>(
           static_cast<const T*>(x), static_cast<T*>(y), numel, Acc<T>(beta));
     });
+  });
+}
+
+void launch_swish_forward_version(DType dtype, const void* x, void* y, int64_t numel, double beta, int version,
+                                  void* stream) {
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const auto s = static_cast<cudaStream_t>(stream);
+    const T* in = static_cast<const T*>(x);
+    T* out = static_cast<T*>(y);
+    if (version == 1) {
+      swish_forward_kernel<T, 1, false><<<swish_grid<1>(numel), kSwishThreads, 0, s>>>(in, out, numel, Acc<T>(beta));
+    } else if (version == 2) {
+      swish_forward_kernel<T, 1, true><<<swish_grid<1>(numel), kSwishThreads, 0, s>>>(in, out, numel, Acc<T>(beta));
+    } else {
+      launch_swish_forward(dtype, x, y, numel, beta, stream);
+    }
   });
 }
 

@@ -59,6 +59,28 @@ at::Tensor swish_backward(const at::Tensor& grad_out, const at::Tensor& x, doubl
   return grad_x;
 }
 
+// The climb to swish_forward's kernel (swish.cu lists the versions), forward only, for the lesson's
+// timings: CUDA kernels, with no CPU twin.
+at::Tensor swish_forward_version(const at::Tensor& x, double beta, int64_t version) {
+  const char* op = "swish_forward_version";
+  const DType dtype = kernel_dtype(op, x);
+  TORCH_CHECK_VALUE(version >= 1 && version <= 3, op, ": version ", version, " does not exist (versions: 1, 2, 3)");
+  at::Tensor y = at::empty_symint(x.sym_sizes(), x.options());
+  if (x.is_meta() || x.numel() == 0) return y;
+  const at::Tensor input = x.contiguous();
+  run_on_device_of(
+      input,
+      [&](void* stream) {
+        launch_swish_forward_version(dtype, input.const_data_ptr(), y.mutable_data_ptr(), input.numel(), beta,
+                                     static_cast<int>(version), stream);
+      },
+      [&] {
+        TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": the versions are CUDA kernels (the CPU has swish_forward's twin "
+                                    "only); got a tensor on ", x.device());
+      });
+  return y;
+}
+
 // --- 2. autograd ---------------------------------------------------------------------------------------
 
 struct SwishFunction : public torch::autograd::Function<SwishFunction> {
@@ -105,18 +127,21 @@ at::Tensor swish_forward_autograd(const at::Tensor& x, double beta) {
 TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   m.def("swish_forward(Tensor x, float beta) -> Tensor");
   m.def("swish_backward(Tensor grad_out, Tensor x, float beta) -> Tensor");
+  m.def("swish_forward_version(Tensor x, float beta, int version) -> Tensor");
 }
 
 // One host wrapper serves CPU tensors and (below) CUDA tensors: it branches on the device itself.
 TORCH_LIBRARY_IMPL(cuda_kernels, CPU, m) {
   m.impl("swish_forward", TORCH_FN(kernel_ladder::swish_forward));
   m.impl("swish_backward", TORCH_FN(kernel_ladder::swish_backward));
+  m.impl("swish_forward_version", TORCH_FN(kernel_ladder::swish_forward_version));
 }
 
 #ifdef KERNEL_LADDER_WITH_CUDA
 TORCH_LIBRARY_IMPL(cuda_kernels, CUDA, m) {
   m.impl("swish_forward", TORCH_FN(kernel_ladder::swish_forward));
   m.impl("swish_backward", TORCH_FN(kernel_ladder::swish_backward));
+  m.impl("swish_forward_version", TORCH_FN(kernel_ladder::swish_forward_version));
 }
 #endif
 
@@ -124,6 +149,7 @@ TORCH_LIBRARY_IMPL(cuda_kernels, CUDA, m) {
 TORCH_LIBRARY_IMPL(cuda_kernels, Meta, m) {
   m.impl("swish_forward", TORCH_FN(kernel_ladder::swish_forward));
   m.impl("swish_backward", TORCH_FN(kernel_ladder::swish_backward));
+  m.impl("swish_forward_version", TORCH_FN(kernel_ladder::swish_forward_version));
 }
 
 // The Autograd key (every backend's) comes first for tensors that require grad. The backward op has no

@@ -127,6 +127,26 @@ class SwishCUDA(_SwishKernel):
     backend = staticmethod(cuda_backend)
 
 
+class SwishCUDAVersion(SwishCUDA):
+    """An earlier rung of level 5's Swish forward kernel, kept runnable so a lesson can time the climb
+    (``cuda_kernels.ops.SWISH_VERSIONS`` says what each version adds): forward only, CUDA tensors only.
+    Version 3 is level 5's own kernel."""
+
+    def __init__(self, beta: float = 1.0, version: int = 3):
+        super().__init__(beta)
+        self.version = int(version)
+
+    def compute(self, x):
+        return self.backend().swish_version(x.contiguous(), self.beta, self.version)
+
+
+def swish_cuda_versions(beta: float = 1.0) -> dict[str, SwishCUDAVersion]:
+    """``{"version 1: ...": module, ...}``: every rung of level 5's Swish, for ``compare_optimization_levels``."""
+    from cuda_kernels.limits import SWISH_VERSIONS
+
+    return {f"version {version}: {what}": SwishCUDAVersion(beta, version) for version, what in SWISH_VERSIONS.items()}
+
+
 IMPLEMENTATIONS = {
     "native": SwishNative,
     "torchscript": SwishTorchScript,

@@ -11,6 +11,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part overhead  --out profiling/results/h100   # one call at decode size
     python -m profiling.gpu_suite --part sweep     --out profiling/results/h100   # row lengths, forward
     python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
+    python -m profiling.gpu_suite --part versions  --out profiling/results/h100   # the climb to a kernel
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
@@ -23,6 +24,7 @@ Without --part every part runs in turn. Each part writes, under --out:
     sweep[-backward].csv/.png  sweep, sweep-backward: LayerNorm, RMSNorm and softmax over rows of 128 …
                              4,194,304 elements at 2^26 elements each point (profiling.sweep);
     softmax-long-rows.csv    sweep: softmax on 4096 × 262,144 float32
+    versions.csv             versions: each version of level 5's Swish kernel side by side
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
@@ -362,6 +364,24 @@ def check_sweep_targets(sweeps: dict[str, pd.DataFrame], path: Path, extra: str 
     return report
 
 
+def run_version_benchmarks(device: torch.device, out: Path, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
+    """The climb to level 5's Swish kernel (``levels.swish.swish_cuda_versions``), each version side by
+    side on 8192 × 8192 in float32 and bfloat16, against the first version's float64 run."""
+    from levels.swish import swish_cuda_versions
+
+    tables = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = f"swish versions {str(dtype).removeprefix('torch.')}"
+        if not _chosen(name, only):
+            continue
+        tables[name] = compare_optimization_levels(swish_cuda_versions(), (8192, 8192), dtype=dtype, device=device,
+                                                   budget_s=budget_s)
+        tables[name].attrs["benchmark"] = name
+        tqdm.write(f"{name}\n{format_table(tables[name])}\n")
+        pd.concat([with_setup_columns(t) for t in tables.values()]).to_csv(out / "versions.csv", index=False)
+    return tables
+
+
 def environment(device: torch.device) -> dict:
     import triton
 
@@ -457,7 +477,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-cpu", "kernels", "models", "generation", "overhead", "sweep", "sweep-backward")
+PARTS = ("tests", "tests-cpu", "kernels", "models", "generation", "overhead", "sweep", "sweep-backward", "versions")
 
 
 def main(argv=None) -> int:
@@ -501,6 +521,9 @@ def main(argv=None) -> int:
                 long_rows = check_targets(tables, [Target(LONG_SOFTMAX.name, level, 90.0) for level in KERNEL_LEVELS],
                                           out / "targets-softmax-long-rows.md")
             print(check_sweep_targets(sweeps, out / f"targets-{part}.md", long_rows), flush=True)
+            continue
+        if part == "versions":
+            run_version_benchmarks(device, out, arguments.budget, arguments.only)
             continue
         if part == "kernels":
             tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only)

@@ -162,3 +162,25 @@ def test_a_compiler_that_does_not_link_the_shared_cxx_runtime_is_not_used(wrappe
     assert compiler != str(script) and "shared C++ runtime" in why
     monkeypatch.delenv("CXX")
     assert ops._cxx_compiler_for_the_extension() == ("c++", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_version_of_the_level_5_swish_matches_float64_reference(dtype):
+    from levels.swish import swish_cuda_versions
+
+    x = torch.randn(4099, 33, device="cuda", dtype=dtype)  # a ragged tail for every pack width
+    expected = levels.float64_reference(levels.build("swish", "cuda", beta=1.3))(x.double())
+    for name, module in swish_cuda_versions(beta=1.3).items():
+        error = levels.relative_max_error(module.cuda()(x), expected)
+        assert error <= levels.TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+        torch.library.opcheck(torch.ops.cuda_kernels.swish_forward_version.default, (x, 1.3, module.version))
+
+
+def test_swish_versions_are_cuda_kernels_and_number_one_to_three():
+    from cuda_kernels import ops
+
+    with pytest.raises(NotImplementedError, match="the versions are CUDA kernels"):
+        ops.swish_version(torch.randn(8), 1.0, 2)
+    with pytest.raises(ValueError, match="version 4 does not exist"):
+        ops.swish_version(torch.randn(8), 1.0, 4)
