@@ -246,3 +246,13 @@ def test_sweep_targets_judge_the_worst_row_length_and_report_where_it_is(tmp_pat
     # 128 is below the judged range; 2048 (80 %) is the worst point from 512 up.
     assert "| softmax forward float32: 5 CUDA C++ ≥ 85 % of copy bandwidth | 80.00 % | 2,048 |" in report
     assert "**no**" in report and (tmp_path / "targets.md").read_text().strip() == report.strip()
+
+
+def test_a_throughput_target_compares_tflops_across_benchmarks_higher_is_better():
+    table = synthetic_table("compute", pct=50.0)
+    tables = {"head dim 96": table.assign(tflop_per_s=[300.0, 1.0], level=["cuda", "F.silu"]),
+              "head dim 128": table.assign(tflop_per_s=[400.0, 1.0], level=["cuda", "F.silu"])}
+    no_cliff = Target("head dim 96", "cuda", 0.8, "cuda", "head dim 128", column="tflop_per_s")
+    assert no_cliff.measure(tables) == pytest.approx(0.75) and no_cliff.met(0.75) == "**no**"
+    assert math.isnan(no_cliff.measure(tables, "graph_ms"))
+    assert "tflop/s ≥ 0.8×" in no_cliff.describe()
