@@ -69,6 +69,15 @@ at::Tensor bias_gradient(DType dtype, const at::Tensor& matrix, Cuda&& cuda, Cpu
   return sums;
 }
 
+// A weight's gradient grad_out^T x, written in that weight's own layout. GPT-2's Conv1D (Hugging Face)
+// stores (in, out), and levels.huggingface hands it to us as its transpose, a strided view: cuBLAS reads
+// it in place, and a gradient made as (x^T grad_out)^T, the same GEMM, has the strides autograd
+// accumulates into the (in, out) parameter without a copy.
+at::Tensor weight_gradient(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight) {
+  if (!weight.is_contiguous() && weight.t().is_contiguous()) return at::mm(x.t(), grad_out).t();
+  return at::mm(grad_out.t(), x);
+}
+
 at::Tensor column_sums(DType dtype, const at::Tensor& matrix) {
   const int64_t rows = matrix.size(0), n = matrix.size(1);
   return bias_gradient(
@@ -134,7 +143,8 @@ at::Tensor linear_forward_autograd(const at::Tensor& x, const at::Tensor& weight
 
 // --- the feed-forward block --------------------------------------------------------------------------------
 
-// x (rows, C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C.
+// x (rows, C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C. Either weight
+// may be the transpose of a contiguous matrix (a Conv1D's): ATen's matmuls read it in place (weight_gradient).
 void check_feed_forward(const char* op, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight) {
   check_linear(op, x, fc_weight, "fc_weight");
   check_argument(op, "proj_weight", proj_weight, x, x.scalar_type(), {x.sym_size(1), fc_weight.sym_size(0)});
@@ -184,8 +194,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   check_argument(op, "pre_activation", pre_activation, x, x.scalar_type(), {rows, hidden});
   check_argument(op, "activation", activation, x, x.scalar_type(), {rows, hidden});
   if (x.is_meta()) {
-    return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(fc_weight.sym_sizes(), x.options()),
-            at::empty_symint({hidden}, x.options()), at::empty_symint(proj_weight.sym_sizes(), x.options()),
+    // The weights' gradients in the weights' layouts, as weight_gradient makes them.
+    return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_like(fc_weight),
+            at::empty_symint({hidden}, x.options()), at::empty_like(proj_weight),
             at::empty_symint({x.sym_size(1)}, x.options())};
   }
   const at::Tensor dy = grad_out.contiguous(), h = pre_activation.contiguous();
@@ -202,8 +213,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
         gelu_backward_cpu(dtype, grad_hidden.mutable_data_ptr(), h.const_data_ptr(), sums, grad_hidden.size(0),
                           grad_hidden.size(1));
       });
-  return {at::mm(grad_hidden, fc_weight), at::mm(grad_hidden.t(), x), grad_fc_bias, at::mm(dy.t(), activation),
-          column_sums(dtype, dy)};
+  return {at::mm(grad_hidden, fc_weight), weight_gradient(grad_hidden, x, fc_weight), grad_fc_bias,
+          weight_gradient(dy, activation, proj_weight), column_sums(dtype, dy)};
 }
 
 struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import pandas as pd
 import torch
@@ -121,10 +121,13 @@ def models_at_levels(config: dict, chosen_levels: Iterable[str | int] | None, dt
     return models
 
 
-def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str) -> pd.DataFrame:
+def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str,
+                titles: Mapping[str, str] = LEVEL_TITLES) -> pd.DataFrame:
+    """One row per model (keyed by its ``level`` column, titled by ``titles``): the first call, then the
+    median of ``repeats`` timed calls of ``work(model)``, and its peak memory."""
     rows = []
     for name, model in tqdm(models.items(), desc=description, unit="level", leave=False):
-        row = {"level": name, "title": LEVEL_TITLES[name]}
+        row = {"level": name, "title": titles[name]}
         try:
             row["first_call_s"] = time_once(lambda: work(model), device)
             # A second untimed call: torch.compile compiles again once it sees a second shape (the
@@ -199,9 +202,10 @@ def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_toke
 
 def format_throughput(table: pd.DataFrame) -> str:
     """The table as text: level, ms, tokens/s, speedup (and token agreement for generation)."""
-    columns = [c for c in ("title", "median_ms", "tokens_per_s", "speedup", "same_tokens_as_level_1",
-                           "peak_memory_mb", "first_call_s", "status") if c in table]
+    columns = [c for c in ("title", "median_ms", "tokens_per_s", "speedup", "vs_sdpa", "same_tokens_as_level_1",
+                           "same_tokens_as_sdpa", "peak_memory_mb", "first_call_s", "status") if c in table]
     formats = {"median_ms": "{:.2f}".format, "tokens_per_s": "{:,.0f}".format, "speedup": "{:.2f}×".format,
+               "vs_sdpa": "{:.2f}×".format,
                "peak_memory_mb": "{:,.0f}".format, "first_call_s": "{:.1f}".format}
     shown = table[columns].copy()
     for column, formatter in formats.items():

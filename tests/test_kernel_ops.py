@@ -69,6 +69,25 @@ def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_feed_forward_takes_transposed_weights_and_returns_their_gradients_in_that_layout(level, device):
+    """GPT-2's Conv1D stores (in, out): levels.huggingface passes the transposed view. The op must read it
+    in place and give its gradient the view's strides, so autograd accumulates it without a copy."""
+    backend = NAMESPACES[level][1]()
+    x = torch.randn(5, 7, dtype=torch.float64, device=device)
+    stored = [torch.randn(7, 11, dtype=torch.float64, device=device, requires_grad=True),  # (in, out), as Conv1D
+              torch.randn(11, 7, dtype=torch.float64, device=device, requires_grad=True)]
+    fc_bias, proj_bias = (torch.randn(n, dtype=torch.float64, device=device) for n in (11, 7))
+    fc_weight, proj_weight = (weight.t() for weight in stored)
+    gradients = torch.autograd.grad(backend.feed_forward(x, fc_weight, fc_bias, proj_weight, proj_bias).square().sum(),
+                                    (fc_weight, proj_weight))
+    assert [g.stride() for g in gradients] == [fc_weight.stride(), proj_weight.stride()]
+    expected = torch.autograd.grad(backend.feed_forward(x, fc_weight.contiguous(), fc_bias, proj_weight.contiguous(),
+                                                        proj_bias).square().sum(), stored)
+    for gradient, reference in zip(gradients, expected):
+        torch.testing.assert_close(gradient, reference.t())
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_linear_cross_entropy_passes_float64_gradcheck_over_several_chunks(level, device):
     backend = NAMESPACES[level][1]()
     hidden = torch.randn(7, 5, dtype=torch.float64, device=device, requires_grad=True)

@@ -11,6 +11,10 @@ What it computes
                    grad_W_fc = grad_hᵀ·x,     grad_b_fc = Σ_rows grad_h,   grad_x = grad_h·W_fc
     Every transpose (Wᵀ, grad_yᵀ, grad_hᵀ) is a strided view that the matmul kernel reads in place
     (matmul.py); the row sums are matmul.py's column-sum kernel. h and a are saved for the backward.
+    The feed-forward's weights may also come as the transpose of a contiguous matrix: GPT-2's Conv1D in
+    Hugging Face stores (in, out), and levels.huggingface passes it as a view. Their gradients are then
+    made in that layout, grad_Wᵀ = xᵀ·grad_h, so autograd accumulates them into the (in, out) parameter
+    without a copy.
 
 The one idea: epilogue fusion
     The hidden activation is the biggest tensor of the block: (tokens, 4·C), 8192 × 3072 in bfloat16
@@ -50,10 +54,10 @@ What it does not do (yet)
     768 × 3072) have few tiles, so part of the GPU idles in their last wave.
 
 Limits
-    x (tokens, C) with any number of rows and features; weights in nn.Linear's (out, in) layout;
-    biases both given or both None. Contiguous tensors of one dtype: float16, bfloat16, float32,
-    float64 on the GPU, float32 and float64 under the CPU interpreter. h, a and grad_h are stored in
-    the input dtype, as PyTorch's autograd would.
+    x (tokens, C) with any number of rows and features; weights in nn.Linear's (out, in) layout (the
+    feed-forward's may be transposed views, see above); biases both given or both None. Contiguous
+    tensors of one dtype: float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the
+    CPU interpreter. h, a and grad_h are stored in the input dtype, as PyTorch's autograd would.
 
 Check
     python -m pytest tests -k "feed_forward and triton"
@@ -69,8 +73,9 @@ from .matmul import Epilogue, launch_column_sum, launch_matmul
 
 
 def _check_linear_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         weight_name: str = "weight") -> None:
-    """x is (rows, in), weight (out, in) of x's dtype, bias (out,) or None. All contiguous."""
+                         weight_name: str = "weight", transposable: bool = False) -> None:
+    """x is (rows, in), weight (out, in) of x's dtype, bias (out,) or None. All contiguous, except that a
+    ``transposable`` weight may be the transpose of a contiguous matrix."""
     require(x.dim() == 2, lambda: f"{op}: x must be a (rows, features) matrix, got shape {tuple(x.shape)}")
     require(weight.dim() == 2,
             lambda: f"{op}: {weight_name} must be (out_features, in_features), got shape {tuple(weight.shape)}")
@@ -79,13 +84,27 @@ def _check_linear_shapes(op: str, x: torch.Tensor, weight: torch.Tensor, bias: t
     require(weight.dtype == x.dtype, lambda: f"{op}: x is {x.dtype} but {weight_name} is {weight.dtype}")
     if bias is not None:
         _check_like(op, "bias", bias, weight.shape[:1], x.dtype)
-    check_contiguous(op, x, weight)
+    check_contiguous(op, x)
+    _check_weight_layout(op, weight_name, weight, transposable)
+
+
+def _is_transposed(weight: torch.Tensor) -> bool:
+    """A weight stored (in, out) and seen as (out, in): a Conv1D's, through levels.huggingface."""
+    return not weight.is_contiguous() and weight.t().is_contiguous()
+
+
+def _check_weight_layout(op: str, name: str, weight: torch.Tensor, transposable: bool) -> None:
+    if transposable:
+        require(weight.is_contiguous() or weight.t().is_contiguous(),
+                lambda: f"triton_kernels::{op} needs {name} contiguous or the transpose of a contiguous matrix")
+    else:
+        check_contiguous(op, weight)
 
 
 def _check_feed_forward_shapes(op: str, x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None,
                                proj_weight: torch.Tensor, proj_bias: torch.Tensor | None) -> None:
     """x (rows, C), fc_weight (H, C), proj_weight (C, H), biases (H,) and (C,) or both None."""
-    _check_linear_shapes(op, x, fc_weight, fc_bias, "fc_weight")
+    _check_linear_shapes(op, x, fc_weight, fc_bias, "fc_weight", transposable=True)
     hidden, channels = fc_weight.shape
     require(proj_weight.shape == (channels, hidden),
             lambda: f"{op}: proj_weight is {tuple(proj_weight.shape)} but must be (C, H) = ({channels}, {hidden}) "
@@ -96,7 +115,7 @@ def _check_feed_forward_shapes(op: str, x: torch.Tensor, fc_weight: torch.Tensor
                     f"{'fc_bias' if proj_bias is None else 'proj_bias'})")
     if proj_bias is not None:
         _check_like(op, "proj_bias", proj_bias, (channels,), x.dtype)
-    check_contiguous(op, proj_weight)
+    _check_weight_layout(op, "proj_weight", proj_weight, transposable=True)
 
 
 def _check_like(op: str, name: str, tensor: torch.Tensor, shape, dtype: torch.dtype) -> None:
@@ -163,9 +182,16 @@ def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation,
 def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
     """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (launch_matmul(grad_pre_activation, fc_weight), launch_matmul(grad_pre_activation.t(), x),
-            launch_column_sum(grad_pre_activation), launch_matmul(grad_out.t(), activation),
+    return (launch_matmul(grad_pre_activation, fc_weight), _weight_gradient(grad_pre_activation, x, fc_weight),
+            launch_column_sum(grad_pre_activation), _weight_gradient(grad_out, activation, proj_weight),
             launch_column_sum(grad_out))
+
+
+def _weight_gradient(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_outᵀ·x in ``weight``'s own layout: for a transposed weight, (xᵀ·grad_out)ᵀ, the same matmul."""
+    if _is_transposed(weight):
+        return launch_matmul(x.t(), grad_out).t()
+    return launch_matmul(grad_out.t(), x)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -312,6 +338,12 @@ def _contiguous(*tensors):
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
+def _weight_as_is_or_contiguous(weight: torch.Tensor) -> torch.Tensor:
+    """The feed-forward's weights may stay transposed views (a Conv1D's): copying one would cost a
+    pass over the weight at every call."""
+    return weight if _is_transposed(weight) else weight.contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x·weightᵀ + bias for x (rows, in) and weight (out, in) by our kernels, differentiable.
     torch.compile sees the registered op."""
@@ -328,7 +360,8 @@ def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor
     """GPT-2's MLP, gelu_tanh(x·fc_weightᵀ + fc_bias)·proj_weightᵀ + proj_bias, by our kernels,
     differentiable; returns only the output (h and a stay saved for the backward). torch.compile
     sees the registered op."""
-    tensors = _contiguous(x, fc_weight, fc_bias, proj_weight, proj_bias)
+    x, fc_bias, proj_bias = _contiguous(x, fc_bias, proj_bias)
+    tensors = (x, _weight_as_is_or_contiguous(fc_weight), fc_bias, _weight_as_is_or_contiguous(proj_weight), proj_bias)
     if torch.compiler.is_compiling():
         return feed_forward_forward(*tensors)[0]
     if not _wants_gradient(*tensors):
