@@ -7,6 +7,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part tests-cpu --out profiling/results/h100   # the other tests
     python -m profiling.gpu_suite --part kernels   --out profiling/results/h100   # component benchmarks
     python -m profiling.gpu_suite --part attention --out profiling/results/h100   # attention against cuDNN
+    python -m profiling.gpu_suite --part huggingface --out profiling/results/h100 # transformers GPT-2, patched
     python -m profiling.gpu_suite --part models    --out profiling/results/h100   # GPT-2 small training
     python -m profiling.gpu_suite --part generation --out profiling/results/h100  # GPT-2 small generation
     python -m profiling.gpu_suite --part overhead  --out profiling/results/h100   # one call at decode size
@@ -19,6 +20,7 @@ Without --part every part runs in turn. Each part writes, under --out:
     pytest-<part>.log        tests, tests-cpu: the test run
     benchmarks.csv/.png      kernels: one row per component × dtype × pass × level, as compare_optimization_levels
     attention.csv/.png       attention: causal attention at long sequences, GPT-2's shape and five head dims
+    huggingface.csv          huggingface: transformers' GPT-2 small, unpatched and patched at each level
     training.csv/.png        models: the LM head + loss and the AdamW step, per level, as compare_optimization_levels
     language_model.csv       models: GPT-2 small per level, training-step tokens/s and peak memory
     generation.csv           generation: GPT-2 small per level, generation tokens/s, eager and CUDA graph
@@ -415,6 +417,45 @@ def run_version_benchmarks(device: torch.device, out: Path, budget_s: float, onl
     return tables
 
 
+def _huggingface_benchmarks() -> dict:
+    """A ``transformers`` GPT-2 small patched at each level beside ``transformers`` as people run it
+    (profiling.huggingface): a bfloat16 training step on 8 × 1024 tokens, greedy generation at batch 1
+    and 32, and at batch 1 in float32, where every level must choose the sdpa row's tokens."""
+    from .huggingface import generation_rows, training_rows
+
+    benchmarks = {"hf training step 8x1024": lambda device: training_rows((8, 1024), torch.bfloat16, device)}
+    for batch in (1, 32):
+        benchmarks[f"hf generation batch {batch}"] = lambda device, batch=batch: generation_rows(
+            batch, 16, 112, torch.bfloat16, device)
+    benchmarks["hf generation batch 1 float32"] = lambda device: generation_rows(
+        1, 16, 112, torch.float32, device, rows=("sdpa", "native", "torchscript", "compile", "triton", "cuda"))
+    return benchmarks
+
+
+def huggingface_targets() -> list[Target]:
+    """Patched at level 5, a training step well past transformers' sdpa and no slower than its compiled
+    model; level 4 past sdpa; generation at batch 1 no slower than sdpa."""
+    step = "hf training step 8x1024"
+    return [Target(step, "cuda", 1.3, "sdpa"), Target(step, "cuda", 1.0, "sdpa+compile"),
+            Target(step, "triton", 1.15, "sdpa"), Target("hf generation batch 1", "cuda", 1.0, "sdpa")]
+
+
+def run_huggingface_benchmarks(device: torch.device, out: Path, only: str = "") -> dict[str, pd.DataFrame]:
+    from .language_model import format_throughput
+
+    tables = {}
+    for name, measure in _huggingface_benchmarks().items():
+        if not _chosen(name, only):
+            continue
+        table = measure(device)
+        # Target reads eager times from median_ms; these rows time a whole step or generation.
+        tables[name] = table.assign(kind=["reference" if key in ("eager", "sdpa", "sdpa+compile") else "level"
+                                          for key in table["level"]])
+        print(f"{name}\n{format_throughput(table)}", end="\n\n", flush=True)
+        pd.concat([t.assign(benchmark=key) for key, t in tables.items()]).to_csv(out / "huggingface.csv", index=False)
+    return tables
+
+
 def environment(device: torch.device) -> dict:
     import triton
 
@@ -494,6 +535,7 @@ def run_overhead(device: torch.device, out: Path, budget_s: float, only: str = "
 # dict.fromkeys: LayerNorm fwd+bwd against torch.compile on 8192 × 8192 is both a memory-bound and a
 # GPT-2-size target; it is listed once.
 TARGETS = {"kernels": list(dict.fromkeys(memory_bound_targets() + gpt2_size_targets())), "attention": attention_targets(),
+           "huggingface": huggingface_targets(),
            "models": training_targets(), "generation": generation_targets(), "overhead": decode_targets()}
 
 
@@ -511,7 +553,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-cpu", "kernels", "attention", "models", "generation", "overhead", "sweep", "sweep-backward", "versions")
+PARTS = ("tests", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep", "sweep-backward", "versions")
 
 
 def main(argv=None) -> int:
@@ -561,6 +603,8 @@ def main(argv=None) -> int:
             continue
         if part == "kernels":
             tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only)
+        elif part == "huggingface":
+            tables = run_huggingface_benchmarks(device, out, arguments.only)
         elif part == "attention":
             tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only, ATTENTION_BENCHMARKS,
                                            name="attention")
