@@ -8,7 +8,8 @@
 //   - pointers address contiguous memory; a (rows, n) matrix is row-major;
 //   - sizes are element counts and are > 0 (the binding returns empty outputs without calling us);
 //   - arithmetic is float32 for float16/bfloat16/float32 inputs and float64 for float64 inputs; the
-//     LayerNorm statistics (mean, rstd = reciprocal standard deviation) are stored in that type.
+//     LayerNorm statistics (mean, rstd = reciprocal standard deviation) and RMSNorm's (rstd = reciprocal
+//     root mean square) are stored in that type.
 #pragma once
 
 #include <cstdint>
@@ -58,8 +59,8 @@ struct AdamWFactors {
   double bias_correction2_sqrt;  // sqrt(1 - beta2^step)
 };
 
-// --- CUDA launchers (swish.cu, layer_norm.cu, softmax.cu, attention_forward.cu, attention_backward.cu,
-// feed_forward.cu, linear_cross_entropy.cu, adamw.cu) ---
+// --- CUDA launchers (swish.cu, layer_norm.cu, layer_norm_backward.cu, softmax.cu, attention_forward.cu,
+// attention_backward.cu, feed_forward.cu, linear_cross_entropy.cu, adamw.cu) ---
 // They enqueue on `stream` and return without waiting.
 // The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
 
@@ -86,6 +87,15 @@ void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x
                                 const void* mean, const void* rstd, void* grad_x, void* grad_weight,
                                 void* grad_bias, void* workspace, int64_t partial_rows, int64_t rows,
                                 int64_t n, void* stream);
+
+// RMSNorm (layer_norm.cu's kernels without the mean and the bias): y = x * rstd * w, rstd (rows,) saved.
+void launch_rms_norm_forward(DType dtype, const void* x, const void* weight, void* y, void* rstd, int64_t rows,
+                             int64_t n, double eps, void* stream);
+// As LayerNorm's, for a workspace of partial_rows * n statistics-type values (dw only).
+int64_t rms_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n);
+void launch_rms_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight, const void* rstd,
+                              void* grad_x, void* grad_weight, void* workspace, int64_t partial_rows, int64_t rows,
+                              int64_t n, void* stream);
 
 // softmax over each row of x (rows, n).
 void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, int64_t splits,
@@ -163,6 +173,10 @@ void layer_norm_forward_cpu(DType dtype, const void* x, const void* weight, cons
 void layer_norm_backward_cpu(DType dtype, const void* grad_out, const void* x, const void* weight,
                              const void* mean, const void* rstd, void* grad_x, void* grad_weight,
                              void* grad_bias, int64_t rows, int64_t n);
+void rms_norm_forward_cpu(DType dtype, const void* x, const void* weight, void* y, void* rstd, int64_t rows,
+                          int64_t n, double eps);
+void rms_norm_backward_cpu(DType dtype, const void* grad_out, const void* x, const void* weight, const void* rstd,
+                           void* grad_x, void* grad_weight, int64_t rows, int64_t n);
 
 void softmax_forward_cpu(DType dtype, const void* x, void* y, int64_t rows, int64_t n);
 void softmax_backward_cpu(DType dtype, const void* grad_out, const void* y, void* grad_x, int64_t rows, int64_t n);

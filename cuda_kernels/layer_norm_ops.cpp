@@ -1,24 +1,28 @@
-// LayerNorm as a PyTorch op: the host wrappers around layer_norm.cu and layer_norm_cpu.cpp, the autograd
-// formula, and the registration (laid out as swish_ops.cpp explains, with binding.h's helpers).
+// LayerNorm and RMSNorm as PyTorch ops: the host wrappers around layer_norm.cu and layer_norm_cpu.cpp
+// (whose kernels serve both), the autograd formulas, and the registration (laid out as swish_ops.cpp
+// explains, with binding.h's helpers).
 //
 //   layer_norm_forward(x, weight, bias, eps)              -> (y, mean, rstd)
 //   layer_norm_backward(grad_out, x, weight, mean, rstd)  -> (grad_x, grad_weight, grad_bias)
+//   rms_norm_forward(x, weight, eps)                      -> (y, rstd)
+//   rms_norm_backward(grad_out, x, weight, rstd)          -> (grad_x, grad_weight)
 //
 // x is any contiguous tensor (..., n), normalised over its last dim: its leading dims are the rows, so a
 // caller with a (batch, tokens, n) activation passes it as it is, with no view in between (each view is
 // a tensor object and an autograd node, microseconds a call at decode sizes). weight and bias are
 // n-vectors. mean and rstd (reciprocal standard deviation, one per row, in the accumulator type) are
 // outputs so that the backward can reuse them instead of reducing each row again; autograd marks them
-// non-differentiable and the Python function returns y.
+// non-differentiable and the Python function returns y. RMSNorm is the same without the mean and the
+// bias: its rstd is the reciprocal root mean square.
 //
 // Check
-//   python -m pytest tests -k "layer_norm and cuda"
+//   python -m pytest tests -k "(layer_norm or rms_norm) and cuda"
 #include "binding.h"
 
 namespace kernel_ladder {
 namespace {
 
-// x of LayerNorm: (..., n) with n >= 1 (a row of no elements has no mean); returns (rows, n).
+// x of LayerNorm and RMSNorm: (..., n) with n >= 1 (a row of no elements has no mean); returns (rows, n).
 std::pair<c10::SymInt, c10::SymInt> check_rows(const char* op, const at::Tensor& x) {
   const c10::SymInt rows = leading_rows(op, x);
   TORCH_CHECK_VALUE(x.sym_size(-1) >= 1, "cuda_kernels::", op, ": rows of 0 elements have no mean (x has shape ",
@@ -121,6 +125,94 @@ TensorTriple layer_norm_forward_autograd(const at::Tensor& x, const at::Tensor& 
   return {outputs[0], outputs[1], outputs[2]};
 }
 
+// --- RMSNorm: LayerNorm's wrappers without mean and bias --------------------------------------------
+
+TensorPair rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm_forward";
+  const auto shape = check_rows(op, x);
+  const c10::SymInt rows = shape.first, n = shape.second;
+  const DType dtype = kernel_dtype(op, x);
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  at::Tensor y = at::empty_symint(x.sym_sizes(), x.options());
+  at::Tensor rstd = at::empty_symint({rows}, x.options().dtype(statistics_dtype(x)));
+  if (x.is_meta() || x.numel() == 0) return {y, rstd};
+  const at::Tensor input = x.contiguous(), w = weight.contiguous();
+  run_on_device_of(
+      input,
+      [&](void* stream) {
+        launch_rms_norm_forward(dtype, input.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
+                                rstd.mutable_data_ptr(), rows.expect_int(), n.expect_int(), eps, stream);
+      },
+      [&] {
+        rms_norm_forward_cpu(dtype, input.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
+                             rstd.mutable_data_ptr(), rows.expect_int(), n.expect_int(), eps);
+      });
+  return {y, rstd};
+}
+
+TensorPair rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& rstd) {
+  const char* op = "rms_norm_backward";
+  const auto shape = check_rows(op, x);
+  const c10::SymInt rows = shape.first, n = shape.second;
+  const DType dtype = kernel_dtype(op, x);
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sym_sizes());
+  check_argument(op, "weight", weight, x, x.scalar_type(), {n});
+  check_argument(op, "rstd", rstd, x, statistics_dtype(x), {rows});
+  at::Tensor grad_x = at::empty_symint(x.sym_sizes(), x.options());
+  at::Tensor grad_weight = at::empty_symint({n}, weight.options());
+  if (x.is_meta()) return {grad_x, grad_weight};
+  if (x.numel() == 0) return {grad_x, grad_weight.zero_()};  // no rows: nothing to sum
+  const at::Tensor dy = grad_out.contiguous(), input = x.contiguous(), w = weight.contiguous(), r = rstd.contiguous();
+  run_on_device_of(
+      input,
+      [&](void* stream) {
+        // Scratch for the per-block partial dw rows, as in layer_norm_backward.
+        const int64_t partial_rows = rms_norm_backward_partial_rows(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor workspace = at::empty({partial_rows, n.expect_int()}, x.options().dtype(statistics_dtype(x)));
+        launch_rms_norm_backward(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(),
+                                 r.const_data_ptr(), grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
+                                 workspace.mutable_data_ptr(), partial_rows, rows.expect_int(), n.expect_int(), stream);
+      },
+      [&] {
+        rms_norm_backward_cpu(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(), r.const_data_ptr(),
+                              grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(), rows.expect_int(),
+                              n.expect_int());
+      });
+  return {grad_x, grad_weight};
+}
+
+struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = find_op<decltype(rms_norm_forward)>("cuda_kernels::rms_norm_forward");
+    const at::Tensor input = x.contiguous();
+    auto [y, rstd] = op.call(input, weight, eps);
+    ctx->save_for_backward({input, weight, rstd});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);  // no zero tensor for rstd's (always absent) gradient
+    return {y, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    static const auto op = find_op<decltype(rms_norm_backward)>("cuda_kernels::rms_norm_backward");
+    if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_weight] = op.call(grad_outputs[0], saved[0], saved[1], saved[2]);
+    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), at::Tensor()};
+  }
+};
+
+TensorPair rms_norm_forward_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (!records_gradient(x, weight)) {
+    return call_below_autograd<&rms_norm_forward>("cuda_kernels::rms_norm_forward", x, weight, eps);
+  }
+  const auto outputs = RMSNormFunction::apply(x, weight, eps);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 }  // namespace kernel_ladder
 
@@ -130,4 +222,9 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   kernel_ladder::impl_differentiable<&kernel_ladder::layer_norm_forward, &kernel_ladder::layer_norm_backward,
                                      &kernel_ladder::layer_norm_forward_autograd>(m, "layer_norm_forward",
                                                                                   "layer_norm_backward");
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+  kernel_ladder::impl_differentiable<&kernel_ladder::rms_norm_forward, &kernel_ladder::rms_norm_backward,
+                                     &kernel_ladder::rms_norm_forward_autograd>(m, "rms_norm_forward",
+                                                                                "rms_norm_backward");
 }

@@ -2,6 +2,8 @@
 
     swish(x, beta)                            -> y  (swish.cu,      swish_cpu.cpp,      swish_ops.cpp)
     layer_norm(x, weight, bias, eps)          -> y  (layer_norm.cu, layer_norm_cpu.cpp, layer_norm_ops.cpp)
+    rms_norm(x, weight, eps)                  -> y  (the same three files: LayerNorm's kernels and
+                                                     wrappers without the mean and the bias)
     softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
                                                      attention_cpu.cpp, attention_ops.cpp)
@@ -204,6 +206,7 @@ if _WHY_NO_CUDA is not None and torch.cuda.is_available():
 _ops = torch.ops.cuda_kernels
 _swish_forward = _ops.swish_forward.default
 _layer_norm_forward = _ops.layer_norm_forward.default
+_rms_norm_forward = _ops.rms_norm_forward.default
 _softmax_forward = _ops.softmax_forward.default
 _attention_forward = _ops.attention_forward.default
 _decode_attention = _ops.decode_attention.default
@@ -227,6 +230,12 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dim of ``x`` (..., N) by our kernels, differentiable; returns only
     the output (the saved mean and rstd stay inside the autograd graph)."""
     return _layer_norm_forward(x, weight, bias, eps)[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (..., N) by our kernels, differentiable; returns only the
+    output (the saved rstd stays inside the autograd graph)."""
+    return _rms_norm_forward(x, weight, eps)[0]
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -289,4 +298,4 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
 
 
 __all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear",
-           "linear_cross_entropy", "softmax", "swish", "swish_version"]
+           "linear_cross_entropy", "rms_norm", "softmax", "swish", "swish_version"]

@@ -28,8 +28,8 @@ from .spec import (
     resolve_level,
 )
 
-COMPONENTS = ("swish", "layer_norm", "softmax", "attention", "feed_forward", "self_attention", "transformer_block",
-              "linear_cross_entropy", "gpt")
+COMPONENTS = ("swish", "layer_norm", "rms_norm", "softmax", "attention", "feed_forward", "self_attention",
+              "transformer_block", "linear_cross_entropy", "gpt")
 """Component names, in the order the lessons take them."""
 
 

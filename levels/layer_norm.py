@@ -6,12 +6,15 @@ each a pass over memory. A fused kernel reads a row once into registers (or loop
 when it is too long), reduces, and writes the output once. The backward pass is the harder lesson:
 the input gradient is again a per-row reduction, but the weight and bias gradients are reductions
 *across* rows, which a kernel must split between programs and finish in a second, small pass.
+
+RMSNorm (``rms_norm.py``) is LayerNorm without the mean and the bias: it shares this file's
+``NormalizationSpec`` and ``normalize_rows``, and LayerNorm's kernels at levels 4 and 5.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence
+from typing import ClassVar, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,46 @@ def layer_norm_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n
     return centered / torch.sqrt(variance + eps) * weight + bias
 
 
-class LayerNormSpec(ComponentSpec):
+class NormalizationSpec(ComponentSpec):
+    """What LayerNorm and RMSNorm share: a ``normalized_shape`` of trailing dims, a ``weight`` of that
+    shape (ones), ``eps``, the input checks and the example inputs. Each subclass adds its formula,
+    its other parameters and its cost model."""
+
+    title: ClassVar[str] = ""  # the name errors use
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float):
+        shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
+        if not shape or any(s <= 0 for s in shape):
+            raise ValueError(f"normalized_shape must be a positive int or a tuple of positive ints, got {normalized_shape!r}")
+        super().__init__(normalized_shape=shape, eps=float(eps))
+        self.normalized_shape = shape
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(shape))
+
+    def check_inputs(self, x: torch.Tensor) -> None:
+        super().check_inputs(x)
+        trailing = tuple(x.shape[x.dim() - len(self.normalized_shape):]) if x.dim() >= len(self.normalized_shape) else tuple(x.shape)
+        if trailing != self.normalized_shape:
+            raise ValueError(
+                f"{self.title} expects an input whose trailing dims are normalized_shape={self.normalized_shape}, "
+                f"got input of shape {tuple(x.shape)}"
+            )
+
+    @classmethod
+    def config_for_shape(cls, input_shape):
+        return {"normalized_shape": int(input_shape[-1])}
+
+    def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor]:
+        dtype, device = default_device_and_dtype(dtype, device)
+        # An offset and a scale that are not (0, 1), so a kernel that forgets to centre or scale fails.
+        return (torch.randn(tuple(shape), dtype=dtype, device=device) * 2 + 0.5,)
+
+    def rows_and_row_length(self, shape) -> tuple[int, int]:
+        row_length = element_count(self.normalized_shape)
+        return element_count(shape) // row_length, row_length
+
+
+class LayerNormSpec(NormalizationSpec):
     """Layer normalisation (Ba et al., 2016), as ``nn.LayerNorm`` with ``elementwise_affine=True``.
 
     y = (x − mean) / sqrt(var + eps) · weight + bias, with mean and the biased variance taken over the
@@ -46,39 +88,15 @@ class LayerNormSpec(ComponentSpec):
     """
 
     component = "layer_norm"
+    title = "LayerNorm"
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5):
-        shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
-        if not shape or any(s <= 0 for s in shape):
-            raise ValueError(f"normalized_shape must be a positive int or a tuple of positive ints, got {normalized_shape!r}")
-        super().__init__(normalized_shape=shape, eps=float(eps))
-        self.normalized_shape = shape
-        self.eps = float(eps)
-        self.weight = nn.Parameter(torch.ones(shape))
-        self.bias = nn.Parameter(torch.zeros(shape))
-
-    def check_inputs(self, x: torch.Tensor) -> None:
-        super().check_inputs(x)
-        trailing = tuple(x.shape[x.dim() - len(self.normalized_shape):]) if x.dim() >= len(self.normalized_shape) else tuple(x.shape)
-        if trailing != self.normalized_shape:
-            raise ValueError(
-                f"LayerNorm expects an input whose trailing dims are normalized_shape={self.normalized_shape}, "
-                f"got input of shape {tuple(x.shape)}"
-            )
-
-    @classmethod
-    def config_for_shape(cls, input_shape):
-        return {"normalized_shape": int(input_shape[-1])}
-
-    def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor]:
-        dtype, device = default_device_and_dtype(dtype, device)
-        # An offset and a scale that are not (0, 1), so a kernel that forgets to centre or scale fails.
-        return (torch.randn(tuple(shape), dtype=dtype, device=device) * 2 + 0.5,)
+        super().__init__(normalized_shape, eps)
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape))
 
     def bytes_moved(self, shape, dtype, backward=False) -> int:
         elements = element_count(shape)
-        row_length = element_count(self.normalized_shape)
-        rows = elements // row_length
+        rows, row_length = self.rows_and_row_length(shape)
         item = dtype.itemsize
         statistics = 2 * rows * 4  # mean and reciprocal std, float32, written forward, read backward
         forward_bytes = 2 * elements * item + 2 * row_length * item + statistics  # x, y, weight, bias, stats
@@ -146,21 +164,25 @@ class LayerNormCompiled(LayerNormSpec):
         return _compiled_layer_norm()(x, self.weight, self.bias, len(self.normalized_shape), self.eps)
 
 
+def normalize_rows(function, x: torch.Tensor, normalized_shape: tuple[int, ...], parameters, eps: float):
+    """Levels 4 and 5 of LayerNorm and RMSNorm: ``function(x, *parameters, eps)`` is a kernel op that
+    normalises over the last dim of x as it comes, (..., N), treating its leading dims as rows, so
+    the usual one-dim ``normalized_shape`` costs no view of x, the parameters or the output (each a
+    tensor object and an autograd node: at decode sizes, microseconds as long as the kernel). A
+    ``normalized_shape`` of several dims is flattened into one row of N."""
+    x = x.contiguous()  # the kernels index rows linearly: a non-contiguous x is copied, once
+    if len(normalized_shape) == 1:
+        return function(x, *parameters, eps)
+    row_length = parameters[0].numel()
+    out = function(x.view(-1, row_length), *(p.view(row_length) for p in parameters), eps)
+    return out.view(x.shape)
+
+
 class _LayerNormKernel(LayerNormSpec):
-    """Levels 4 and 5 normalise over the last dim of x as it comes, (..., N): the kernels treat its
-    leading dims as rows, so the usual one-dim ``normalized_shape`` costs no view of x, the
-    parameters or the output (each a tensor object and an autograd node: at decode sizes, microseconds
-    as long as the kernel). A ``normalized_shape`` of several dims is flattened into one row of N.
-    ``backend`` is set by each level."""
+    """Levels 4 and 5 (see ``normalize_rows``); ``backend`` is set by each level."""
 
     def compute(self, x):
-        x = x.contiguous()  # the kernels index rows linearly: a non-contiguous x is copied, once
-        if len(self.normalized_shape) == 1:
-            return self.backend().layer_norm(x, self.weight, self.bias, self.eps)
-        row_length = self.weight.numel()
-        out = self.backend().layer_norm(x.view(-1, row_length), self.weight.view(row_length),
-                                        self.bias.view(row_length), self.eps)
-        return out.view(x.shape)
+        return normalize_rows(self.backend().layer_norm, x, self.normalized_shape, (self.weight, self.bias), self.eps)
 
 
 class LayerNormTriton(_LayerNormKernel):

@@ -29,6 +29,14 @@ COMPONENT_CASES = {
         ({"normalized_shape": 1}, (5, 1)),
         ({"normalized_shape": 70001, "eps": 1e-6}, (2, 70001)),
     ],
+    "rms_norm": [
+        ({"normalized_shape": 1000}, (3, 7, 1000)),
+        ({"normalized_shape": (7, 33)}, (2, 7, 33)),
+        # A row of one element: dx = g·rstd·eps/(x² + eps), a cancellation that float32 cannot resolve
+        # when eps is 1e-6 (level 1 itself misses by 1e-3); with eps 0.5 the answer is well conditioned.
+        ({"normalized_shape": 1, "eps": 0.5}, (5, 1)),
+        ({"normalized_shape": 70001}, (2, 70001)),
+    ],
     "softmax": [
         ({"dim": -1}, (3, 7, 1000)),
         ({"dim": 0}, (300, 5)),

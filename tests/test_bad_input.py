@@ -20,9 +20,13 @@ ALL_LEVELS = levels.LEVELS
 KERNEL_LEVELS = ("triton", "cuda")
 
 
+NORMS = ("layer_norm", "rms_norm")  # the components with a normalized_shape and a weight of that shape
+
+
+@pytest.mark.parametrize("component", NORMS)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_wrong_normalized_shape_names_expected_and_actual(level):
-    module = levels.build("layer_norm", level, normalized_shape=(4, 8))
+def test_wrong_normalized_shape_names_expected_and_actual(level, component):
+    module = levels.build(component, level, normalized_shape=(4, 8))
     with pytest.raises(ValueError, match=r"\(4, 8\).*\(2, 3, 8\)"):
         module(torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match=r"\(4, 8\).*\(8,\)"):
@@ -30,7 +34,8 @@ def test_wrong_normalized_shape_names_expected_and_actual(level):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
-@pytest.mark.parametrize("component,config", [("swish", {}), ("layer_norm", {"normalized_shape": 8})])
+@pytest.mark.parametrize("component,config", [("swish", {}), ("layer_norm", {"normalized_shape": 8}),
+                                              ("rms_norm", {"normalized_shape": 8})])
 @pytest.mark.parametrize("level", ALL_LEVELS)
 def test_integer_and_bool_tensors_name_the_supported_dtypes(level, component, config, dtype):
     module = levels.build(component, level, **config)
@@ -46,24 +51,27 @@ def test_half_precision_on_cpu_is_a_clear_gpu_only_error(level, dtype):
         module(torch.randn(4, dtype=dtype))
 
 
+@pytest.mark.parametrize("component", NORMS)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_input_and_parameters_on_different_devices(level):
-    module = levels.build("layer_norm", level, normalized_shape=8).to("meta")
+def test_input_and_parameters_on_different_devices(level, component):
+    module = levels.build(component, level, normalized_shape=8).to("meta")
     with pytest.raises(ValueError, match="input is on cpu but weight is on meta"):
         module(torch.randn(2, 8))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("component", NORMS)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_input_on_gpu_with_parameters_on_cpu(level):
-    module = levels.build("layer_norm", level, normalized_shape=8)
+def test_input_on_gpu_with_parameters_on_cpu(level, component):
+    module = levels.build(component, level, normalized_shape=8)
     with pytest.raises(ValueError, match="input is on cuda:0 but weight is on cpu"):
         module(torch.randn(2, 8, device="cuda"))
 
 
+@pytest.mark.parametrize("component", NORMS)
 @pytest.mark.parametrize("level", ALL_LEVELS)
-def test_input_and_parameters_of_different_dtypes(level):
-    module = levels.build("layer_norm", level, normalized_shape=8)
+def test_input_and_parameters_of_different_dtypes(level, component):
+    module = levels.build(component, level, normalized_shape=8)
     with pytest.raises(TypeError, match="float64 but weight has dtype torch.float32"):
         module(torch.randn(2, 8, dtype=torch.float64))
 
@@ -73,6 +81,8 @@ def test_input_and_parameters_of_different_dtypes(level):
     ("swish", {}, (0,)),
     ("layer_norm", {"normalized_shape": 16}, (0, 16)),
     ("layer_norm", {"normalized_shape": 16}, (3, 0, 16)),
+    ("rms_norm", {"normalized_shape": 16}, (0, 16)),
+    ("rms_norm", {"normalized_shape": (2, 8)}, (3, 0, 2, 8)),
     ("feed_forward", {"n_embd": 16}, (0, 16)),
     ("feed_forward", {"n_embd": 16, "bias": False}, (2, 0, 16)),
 ])
@@ -91,6 +101,7 @@ def test_empty_tensors_give_empty_outputs_and_zero_parameter_gradients(level, de
 @pytest.mark.parametrize("component,config,shape", [
     ("swish", {"beta": 1.2}, (40, 30)),
     ("layer_norm", {"normalized_shape": 40}, (30, 40)),
+    ("rms_norm", {"normalized_shape": 40}, (30, 40)),
     ("feed_forward", {"n_embd": 40}, (30, 40)),
 ])
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
@@ -256,6 +267,9 @@ LEVEL_5_MISFITS = textwrap.dedent("""
             "layer_norm weight": lambda: ops.layer_norm(tensor(4, 8, grad=grad), tensor(7), tensor(8), 1e-5),
             "layer_norm weight device": lambda: ops.layer_norm(tensor(4, 8, grad=grad), torch.ones(8, device=elsewhere),
                                                                tensor(8), 1e-5),
+            "rms_norm weight": lambda: ops.rms_norm(tensor(4, 8, grad=grad), tensor(7), 1e-6),
+            "rms_norm weight dtype": lambda: ops.rms_norm(tensor(4, 8, grad=grad), tensor(8, dtype=torch.float64), 1e-6),
+            "rms_norm empty rows": lambda: ops.rms_norm(tensor(4, 0, grad=grad), tensor(0), 1e-6),
             "softmax scalar": lambda: ops.softmax(tensor(grad=grad)),
             "attention head_dim": lambda: ops.attention(tensor(1, 2, 8, 16, grad=grad), tensor(1, 2, 8, 32),
                                                         tensor(1, 2, 8, 32), True, 0, 0.25),
@@ -287,5 +301,5 @@ def test_level_5_ops_raise_python_exceptions_for_inputs_that_do_not_fit(device):
                             timeout=900, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, f"exit code {result.returncode}: {result.stderr[-3000:]}"
     raised = result.stdout.strip().splitlines()[-1].split("; ")
-    assert len(raised) == 22
+    assert len(raised) == 28
     assert all(entry.endswith("TypeError") == ("dtype" in entry) for entry in raised), raised

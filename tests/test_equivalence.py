@@ -1,13 +1,15 @@
 """Every component × level × dtype computes the same function as a float64 run of level 1: the
 output and every gradient (input, weight, bias), within the one tolerance table."""
 
+import importlib
+
 import pytest
 import torch
 
 from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
 
-from .conftest import grid_params
+from .conftest import device_param, grid_params, level_devices
 from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
 
 
@@ -52,6 +54,73 @@ def test_inference_forward_matches_float64_reference(component, config, shape, l
     assert output.dtype == expected_output_dtype(module, dtype) and output.shape == expected.shape
     error = relative_max_error(output, expected)
     assert error <= TOLERANCE[dtype], f"relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+# --- level 4's row-length strategies (launch.row_strategy), each forced at a size the interpreter runs in
+# seconds, for the row-wise components that choose one ---------------------------------------------------
+
+SPLIT_KERNELS = {"_norm_fwd_split_statistics_kernel", "_norm_fwd_split_normalize_kernel", "_norm_bwd_split_sums_kernel",
+                 "_norm_bwd_split_dx_kernel"}
+STRATEGY_CASES = {
+    # case: (the strategy, the launch settings that force it, (rows, N), kernels it must launch)
+    "tiled": ("tiled", {}, (5, 300), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
+    "row": ("row", {}, (3, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
+    "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024}, (3, 5000),
+               {"_layer_norm_fwd_looped_kernel", "_layer_norm_bwd_looped_kernel"}),
+    # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one
+    # slice of every row (the interpreter's 4 program slots hold no two groups of 5 slices)
+    "split": ("split", {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}, (3, 5000),
+              SPLIT_KERNELS),
+    # 5 rows of 2 slices: the backward's rows fall into two groups (rows 0, 2, 4 and 1, 3), whose
+    # partial dw rows the column reduction adds
+    "split-groups": ("split", {"SPLIT_MIN_ROW": 2048, "SPLIT_MAX_ROWS_PER_SM": 8, "SPLIT_BLOCK": 2048}, (5, 3000),
+                     SPLIT_KERNELS),
+}
+
+
+SOFTMAX_KERNELS = {  # the layer-norm kernel names above, for softmax
+    "_layer_norm_fwd_kernel": "_softmax_fwd_kernel", "_layer_norm_bwd_kernel": "_softmax_bwd_kernel",
+    "_layer_norm_fwd_looped_kernel": "_softmax_fwd_online_kernel",
+    "_layer_norm_bwd_looped_kernel": "_softmax_bwd_looped_kernel",
+}
+SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel",
+                         "_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
+
+
+@pytest.mark.parametrize("case", STRATEGY_CASES)
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
+@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
+def test_every_row_strategy_matches_float64_reference(component, case, device, monkeypatch):
+    launch_module = importlib.import_module("triton_kernels.launch")
+    strategy, settings, shape, kernels = STRATEGY_CASES[case]
+    if component == "softmax":
+        kernels = SOFTMAX_SPLIT_KERNELS if strategy == "split" else {SOFTMAX_KERNELS[name] for name in kernels}
+    for name, value in settings.items():
+        monkeypatch.setattr(launch_module, name, value)
+    launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
+    try:
+        launched = set()
+        for module_name in ("triton_kernels.layer_norm", "triton_kernels.layer_norm_backward",
+                            "triton_kernels.layer_norm_split", "triton_kernels.softmax", "triton_kernels.softmax_split"):
+            kernel_module = importlib.import_module(module_name)
+
+            def recording_launch(kernel, *args, _launch=kernel_module.launch, **kwargs):
+                launched.add(kernel.__name__)
+                return _launch(kernel, *args, **kwargs)
+
+            monkeypatch.setattr(kernel_module, "launch", recording_launch)
+        config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
+        module, reference = build_pair(component, "triton", config, device, torch.float32)
+        inputs = make_inputs(module, shape, torch.float32, device)
+        assert launch_module.row_strategy(*shape, inputs[0]) == strategy
+        assert_matches_float64_reference(module, reference, inputs, TOLERANCE[torch.float32])
+        with torch.no_grad():  # inference: no statistics stored
+            output, expected = module(*inputs), reference(*map(as_reference_input, inputs))
+        assert relative_max_error(output, expected) <= TOLERANCE[torch.float32]
+        assert kernels <= launched, f"{case} launched {sorted(launched)}"
+    finally:
+        monkeypatch.undo()
+        launch_module.row_tile.cache_clear()
 
 
 # Level 5's softmax picks its kernel by row length (softmax.cu): 4 lanes a row (128 values), a block

@@ -31,10 +31,11 @@ def test_unknown_levels_and_components_are_rejected_with_the_choices():
     with pytest.raises(ValueError, match="native"):
         levels.build("swish", "fastest")
     with pytest.raises(ValueError, match="layer_norm"):
-        levels.build("rms_norm", 1)
+        levels.build("group_norm", 1)
 
 
-@pytest.mark.parametrize("component,config", [("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": (4, 6)})])
+@pytest.mark.parametrize("component,config", [("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": (4, 6)}),
+                                              ("rms_norm", {"normalized_shape": (4, 6), "eps": 1e-5})])
 def test_every_level_shares_one_parameter_layout(component, config):
     modules = [levels.build(component, level, **config) for level in levels.LEVELS]
     source = modules[0]
@@ -47,9 +48,10 @@ def test_every_level_shares_one_parameter_layout(component, config):
             assert torch.equal(mine, theirs)
 
 
-def test_layer_norm_rejects_non_positive_normalized_shape():
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+def test_norms_reject_non_positive_normalized_shape(component):
     with pytest.raises(ValueError, match="normalized_shape"):
-        levels.build("layer_norm", 1, normalized_shape=(4, 0))
+        levels.build(component, 1, normalized_shape=(4, 0))
 
 
 def test_torchscript_level_silences_exactly_its_deprecation_warning():

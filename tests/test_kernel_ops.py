@@ -20,6 +20,8 @@ NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kerne
     ("swish", {"beta": 1.3}, (3, 5)),
     ("layer_norm", {"normalized_shape": 9}, (4, 9)),
     ("layer_norm", {"normalized_shape": (2, 3)}, (3, 2, 3)),
+    ("rms_norm", {"normalized_shape": 9}, (4, 9)),
+    ("rms_norm", {"normalized_shape": (2, 3)}, (3, 2, 3)),
     ("softmax", {"dim": -1}, (3, 7)),
     ("softmax", {"dim": 0}, (5, 2)),
 ])
@@ -116,17 +118,22 @@ def op_samples(namespace, device, dtype):
     loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     mean = x.to(statistics_dtype).mean(-1)
     rstd = torch.rsqrt(x.to(statistics_dtype).var(-1, unbiased=False) + 1e-5)
+    rms_rstd = torch.rsqrt(x.to(statistics_dtype).square().mean(-1) + 1e-6)
     return [
         ("swish_forward", (x.clone().requires_grad_(True), 1.5)),
         ("swish_backward", (grad, x, 1.5)),
         ("layer_norm_forward", (x.clone().requires_grad_(True), weight.clone().requires_grad_(True),
                                 bias.clone().requires_grad_(True), 1e-5)),
         ("layer_norm_backward", (grad, x, weight, mean, rstd)),
+        ("rms_norm_forward", (x.clone().requires_grad_(True), weight.clone().requires_grad_(True), 1e-6)),
+        ("rms_norm_backward", (grad, x, weight, rms_rstd)),
         ("softmax_forward", (x.clone().requires_grad_(True),)),
         ("softmax_backward", (grad, torch.softmax(x, -1))),
         # The row-wise ops take x as it comes, (..., N): its leading dims are the rows.
         ("layer_norm_forward", (x.view(2, 3, 37).clone().requires_grad_(True), weight, bias, 1e-5)),
         ("layer_norm_backward", (grad.view(2, 3, 37), x.view(2, 3, 37), weight, mean, rstd)),
+        ("rms_norm_forward", (x.view(2, 3, 37).clone().requires_grad_(True), weight, 1e-6)),
+        ("rms_norm_backward", (grad.view(2, 3, 37), x.view(2, 3, 37), weight, rms_rstd)),
         ("softmax_forward", (x.view(3, 2, 37).clone().requires_grad_(True),)),
         ("softmax_backward", (grad.view(3, 2, 37), torch.softmax(x, -1).view(3, 2, 37))),
         ("attention_forward", (q.clone().requires_grad_(True), k.clone().requires_grad_(True),

@@ -136,6 +136,7 @@ def test_switched_off_or_hooked_calls_always_take_the_jit(kernel, monkeypatch):
 LEVEL_CASES = [
     ("swish", {}, [(2, 16)]),
     ("layer_norm", {"normalized_shape": 16}, [(2, 16)]),
+    ("rms_norm", {"normalized_shape": 16}, [(2, 16)]),
     ("softmax", {}, [(2, 16)]),
     ("attention", {"causal": True}, [(1, 2, 1, 16), (1, 2, 8, 16), (1, 2, 8, 16)]),
     ("feed_forward", {"n_embd": 16}, [(1, 2, 16)]),

@@ -2,6 +2,8 @@
 
     swish(x, beta)                             -> y     (triton_kernels/swish.py)
     layer_norm(x, weight, bias, eps)           -> y     (triton_kernels/layer_norm.py)
+    rms_norm(x, weight, eps)                   -> y     (triton_kernels/rms_norm.py: LayerNorm's kernels
+                                                         without the mean and the bias)
     softmax(x)                                 -> y     (triton_kernels/softmax.py)
     attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
                                                          kernels in attention_forward.py, attention_backward.py)
@@ -18,7 +20,8 @@
                eps, weight_decay, step)
 
 Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
-``layer_norm_forward``, ``layer_norm_backward``, ``softmax_forward``, ``softmax_backward``,
+``layer_norm_forward``, ``layer_norm_backward``, ``rms_norm_forward``, ``rms_norm_backward``,
+``softmax_forward``, ``softmax_backward``,
 ``attention_forward``, ``attention_backward``, ``linear_forward``, ``linear_backward``,
 ``feed_forward_forward``, ``feed_forward_backward``, ``linear_cross_entropy_forward`` and
 ``linear_cross_entropy_backward``, each with a fake (shape-only) implementation for torch.compile and an
@@ -26,7 +29,7 @@ autograd formula; and ``adamw_step`` (which updates its lists in place) and ``de
 with a fake and no gradient. On a machine without a GPU the same kernels run through Triton's
 interpreter, on CPU tensors: correct, and slow.
 
-Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``softmax``,
+Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``rms_norm``, ``softmax``,
 ``attention``, ``linear``, ``feed_forward``, ``linear_cross_entropy`` and ``adamw_step`` call the
 registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
 through a plain ``torch.autograd.Function`` (or, when no gradient is wanted, straight to the launcher): a
@@ -83,8 +86,9 @@ from .attention_decode import decode_attention  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from .rms_norm import rms_norm  # noqa: E402
 from .softmax import softmax  # noqa: E402
 from .swish import swish  # noqa: E402
 
 __all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear", "linear_cross_entropy",
-           "softmax", "swish"]
+           "rms_norm", "softmax", "swish"]

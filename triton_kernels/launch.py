@@ -244,6 +244,39 @@ def row_tile(n: int) -> RowTile:
     return RowTile(block_n, rows_per_tile, max(4, min(16, tile // 1024)), False)
 
 
+SPLIT_MIN_ROW = 32768
+"""Rows at least this long may be split across programs (``row_strategy``): below it a row is cheap
+enough for one program, and its split would be slices too small to pay for the second phase."""
+SPLIT_MAX_ROWS_PER_SM = 2
+"""... and are split when there are fewer rows than this many per SM: one program per row would then
+leave SMs idle (an H100 has 132), or keep one long row's loop on one SM while the others wait."""
+SPLIT_BLOCK = 4096
+"""Elements of a split row that one program owns: a slice held in registers, 16 KB in float32."""
+
+
+def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
+    """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
+
+    ``"tiled"``     short rows (``row_tile``'s block below ``MIN_TILE``): several rows a program, so each
+                    program moves enough bytes to pay for its reductions;
+    ``"row"``       one row a program, in registers (rows up to ``MAX_ROW_BLOCK``);
+    ``"looped"``    one row a program, looped over in blocks (rows longer than ``MAX_ROW_BLOCK``);
+    ``"split"``     rows of at least ``SPLIT_MIN_ROW`` elements, fewer than ``SPLIT_MAX_ROWS_PER_SM`` per SM:
+                    each row is cut into slices of ``SPLIT_BLOCK``, one program each; phase 1 reduces the
+                    slices to partial statistics, phase 2 combines them and normalises
+                    (layer_norm_split.py, softmax_split.py).
+
+    The thresholds are module constants read at each call, so a test can lower them (and clear
+    ``row_tile``'s cache) to run every strategy at sizes the interpreter takes in seconds. The
+    interpreter counts as one SM."""
+    # The row length first: the usual short row never asks for the SM count.
+    if n >= SPLIT_MIN_ROW and rows < SPLIT_MAX_ROWS_PER_SM * (
+            _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 1):
+        return "split"
+    tile = row_tile(n)
+    return "looped" if tile.looped else ("tiled" if tile.rows_per_tile > 1 else "row")
+
+
 @functools.cache
 def column_reduction_launch(n: int, partial_rows: int, programs_target: int) -> tuple[int, int, int]:
     """(programs, block_cols, block_partials) for summing a (partial_rows, n) buffer over its rows.

@@ -1,4 +1,5 @@
-"""LayerNorm in Triton: forward and backward over the last dim of x (..., N), as ``triton_kernels`` ops.
+"""LayerNorm (and RMSNorm) in Triton: forward and backward over the last dim of x (..., N), as
+``triton_kernels`` ops.
 
 What it computes
     forward    mean = Σx/N,  rstd = 1/sqrt(Σ(x−mean)²/N + eps)   ("rstd": reciprocal standard deviation)
@@ -6,8 +7,12 @@ What it computes
     backward   x̂ = (x − mean)·rstd,  g = dy·w
                dx = rstd·(g − x̂·mean(x̂·g) − mean(g))              a reduction along each row
                dw = Σ_rows dy·x̂,  db = Σ_rows dy                 reductions *across* rows
+    RMSNorm    the same without the mean and without the bias (``SUBTRACT_MEAN=False``, ``HAS_BIAS=False``):
+               rstd = 1/sqrt(Σx²/N + eps), x̂ = x·rstd, y = x̂·w;  dx = rstd·(g − x̂·mean(x̂·g)), dw as above.
+               Every kernel below serves both; ``rms_norm.py`` registers RMSNorm's ops on them.
 
-Kernels, in the order they run
+Kernels, in the order they run (this file: the forward and the ops; the backward's kernels in
+``layer_norm_backward.py``; a few long rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
     ``_layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
@@ -24,9 +29,12 @@ The one idea that makes it fast
     (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns.
 
 Launch
-    ``launch.row_tile``: the row rounded up to a power of two is one block; short rows are stacked
-    into tiles of at least 4096 elements; one warp per 1024 elements. The backward launches
-    BACKWARD_WARPS_PER_SM warps' worth of programs per SM (one 8-warp program at N = 8192).
+    ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
+    least 4096 elements, several rows a program; a row a program, in registers; a row a program,
+    looped over; or, for a few long rows, each row split across programs (``layer_norm_split.py``).
+    ``launch.row_tile``: the row rounded up to a power of two is one block; one warp per 1024
+    elements. The backward launches BACKWARD_WARPS_PER_SM warps' worth of programs per SM (one 8-warp
+    program at N = 8192).
 
 Measured (H100, 8192 × 8192, kernels alone)
     forward 2.92 TB/s in float32, 2.83 in bfloat16: copy bandwidth (2.94 / 2.86), torch.compile
@@ -34,8 +42,8 @@ Measured (H100, 8192 × 8192, kernels alone)
     over its three tensors, plus 10 µs for the dw, db column reduction.
 
 Limits
-    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, never rejected; such rows use
-    one program each, so few long rows leave most SMs idle. The backward's partial buffers have at most
+    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, never rejected; when such rows
+    are too few to fill the SMs they are split across programs instead. The backward's partial buffers have at most
     min(rows, a few × SMs) rows of N float32 values. float16, bfloat16, float32, float64 on the GPU
     (statistics and sums in float32, float64 for float64); float32 and float64 under the interpreter.
 
@@ -53,28 +61,23 @@ from .launch import (
     cdiv,
     check_contiguous,
     check_inputs,
-    column_reduction_launch,
     compute_dtype,
     launch,
     on_device,
-    persistent_program_count,
     require,
     row_matrix,
+    row_strategy,
     row_tile,
     split_float,
 )
-
-BACKWARD_WARPS_PER_SM = 8
-"""How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
-running dw, db in registers: ~220 a thread at N = 8192 with 8 warps, so one program fills most of an
-SM's 64K-register file. More programs would only queue, and each adds a row to the partial buffers.
-(On an H100 at 8192 × 8192, one program per SM beat two and four.)"""
+from .layer_norm_backward import launch_norm_bwd_unchecked
+from .layer_norm_split import launch_norm_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
-def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row: dict | None = None,
-                             like_x: dict | None = None):
+def check_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row: dict | None = None,
+                      like_x: dict | None = None):
     """x is (..., N), its leading dims the rows; ``per_column`` tensors are N-vectors of x's dtype,
     ``per_row`` ones are rows-vectors of the statistics dtype, ``like_x`` ones match x. All contiguous.
     Returns (rows, N)."""
@@ -96,7 +99,7 @@ def _check_layer_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row
 @triton.jit
 def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
                            BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
-                           STORE_STATISTICS: tl.constexpr):
+                           STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
     rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -107,28 +110,36 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
     # 2.84 against 2.92 TB/s. w and b stay cached anyway.)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     w = tl.load(W + cols, mask=col_mask).to(COMPUTE)
-    b = tl.load(B + cols, mask=col_mask).to(COMPUTE)
     eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
-    # mean, then the variance of the centred values: two reductions over registers, no second read
-    mean = tl.sum(x, axis=1) / N
-    centered = tl.where(mask, x - mean[:, None], 0.0)
+    # mean, then the variance of the centred values: two reductions over registers, no second read.
+    # (RMSNorm skips the mean: its "variance" is the mean square of x, whose padding already reads 0.)
+    if SUBTRACT_MEAN:
+        mean = tl.sum(x, axis=1) / N
+        centered = tl.where(mask, x - mean[:, None], 0.0)
+    else:
+        centered = x
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
-    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    y = centered * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask).to(COMPUTE)[None, :]
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
     if STORE_STATISTICS:
-        tl.store(Mean + rows, mean, mask=row_mask)
+        if SUBTRACT_MEAN:
+            tl.store(Mean + rows, mean, mask=row_mask)
         tl.store(Rstd + rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
-                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr,
+                                  SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
     row = tl.program_id(0)
     X += row.to(tl.int64) * N
     Y += row.to(tl.int64) * N
     cols = tl.arange(0, BLOCK_N)
     # pass 1: statistics. Each block's count, mean and sum of squared deviations (m2) are exact in
     # registers; Chan's formula merges them into the running ones without the cancellation of Σx².
+    # (RMSNorm wants Σx² itself: no mean, nothing cancels.)
     count = tl.zeros((), COMPUTE)
     mean = tl.zeros((), COMPUTE)
     m2 = tl.zeros((), COMPUTE)
@@ -136,26 +147,31 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
         mask = start + cols < N
         # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
         x = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
-        block_count = tl.cast(tl.minimum(N - start, BLOCK_N), COMPUTE)
-        block_mean = tl.sum(x, axis=0) / block_count
-        deviation = tl.where(mask, x - block_mean, 0.0)
-        block_m2 = tl.sum(deviation * deviation, axis=0)
-        total = count + block_count
-        delta = block_mean - mean
-        mean += delta * (block_count / total)
-        m2 += block_m2 + delta * delta * (count * block_count / total)
-        count = total
+        if SUBTRACT_MEAN:
+            block_count = tl.cast(tl.minimum(N - start, BLOCK_N), COMPUTE)
+            block_mean = tl.sum(x, axis=0) / block_count
+            deviation = tl.where(mask, x - block_mean, 0.0)
+            block_m2 = tl.sum(deviation * deviation, axis=0)
+            total = count + block_count
+            delta = block_mean - mean
+            mean += delta * (block_count / total)
+            m2 += block_m2 + delta * delta * (count * block_count / total)
+            count = total
+        else:
+            m2 += tl.sum(x * x, axis=0)
     rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
     if STORE_STATISTICS:
-        tl.store(Mean + row, mean)
+        if SUBTRACT_MEAN:
+            tl.store(Mean + row, mean)
         tl.store(Rstd + row, rstd)
-    # pass 2: normalise, scale and shift
+    # pass 2: normalise, scale and shift (RMSNorm: mean stays 0)
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
         w = tl.load(W + start + cols, mask=mask).to(COMPUTE)
-        b = tl.load(B + start + cols, mask=mask).to(COMPUTE)
-        y = (x - mean) * rstd * w + b
+        y = (x - mean) * rstd * w
+        if HAS_BIAS:
+            y += tl.load(B + start + cols, mask=mask).to(COMPUTE)
         tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -164,166 +180,52 @@ def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """(y, mean, rstd); with ``keep_statistics=False`` (inference: no backward will read them) the
     kernel skips their stores and the statistics come back as None: at decode sizes their two
     allocations cost more host time than the kernel's whole run."""
-    rows, n = _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
-    check_inputs("layer_norm_forward", x, weight, bias)
+    return launch_norm_fwd("layer_norm_forward", x, weight, bias, eps, keep_statistics)
+
+
+def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                    keep_statistics: bool):
+    """The forward of both norms: LayerNorm, or RMSNorm when ``bias`` is None (no mean, no bias).
+    Returns (y, mean, rstd); mean is None for RMSNorm, both statistics without ``keep_statistics``."""
+    subtract_mean = bias is not None
+    per_column = {"weight": weight, "bias": bias} if subtract_mean else {"weight": weight}
+    rows, n = check_norm_shapes(op, x, per_column=per_column)
+    check_inputs(op, x, *per_column.values())
     out = torch.empty_like(x)
-    if keep_statistics:
-        mean = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device)
-        rstd = torch.empty_like(mean)
-    else:
-        mean = rstd = None
+    rstd = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device) if keep_statistics else None
+    mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
     if rows == 0:
         return out, mean, rstd
+    if row_strategy(rows, n, x) == "split":  # a few long rows: each split across programs
+        launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n)
+        return out, mean, rstd
     tile = row_tile(n)
-    # Without statistics the kernel stores none, and the Mean and Rstd pointers are never read: out stands in.
-    mean_out, rstd_out = (mean, rstd) if keep_statistics else (out, out)
+    # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
+    mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
+    bias_in = bias if subtract_mean else weight
     with on_device(x):
         if tile.looped:
-            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, mean_out, rstd_out, n,
+            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias_in, mean_out, rstd_out, n,
                    *split_float(eps), BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
-                   STORE_STATISTICS=keep_statistics, num_warps=tile.num_warps)
+                   STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
+                   num_warps=tile.num_warps)
         else:
-            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias, mean_out, rstd_out,
-                   rows, n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                   COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics, num_warps=tile.num_warps)
+            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias_in, mean_out,
+                   rstd_out, rows, n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
+                   COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean,
+                   HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
     return out, mean, rstd
 
 
-# --- backward ----------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
-                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr):
-    program = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
-    # This program's running dw and db live in registers across all of its rows.
-    dw = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
-    db = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
-    for tile in range(program, tl.cdiv(n_rows, ROWS_PER_TILE), tl.num_programs(0)):
-        rows = tile * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
-        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy * w[None, :]
-        mean_x_hat_g = tl.sum(x_hat * g, axis=1) / N
-        mean_g = tl.sum(g, axis=1) / N
-        dx = (g - (x_hat * mean_x_hat_g[:, None] + mean_g[:, None])) * rstd[:, None]
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += dy * x_hat
-        db += dy
-    # One row of the partial buffers per program: small enough to stay in L2 for the column reduction.
-    partial = program.to(tl.int64) * N + cols
-    tl.store(PartialDW + partial, tl.sum(dw, axis=0), mask=col_mask)
-    tl.store(PartialDB + partial, tl.sum(db, axis=0), mask=col_mask)
-
-
-@triton.jit
-def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
-                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    program = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    partial = program.to(tl.int64) * N
-    for row in range(program, n_rows, tl.num_programs(0)):
-        offset = tl.cast(row, tl.int64) * N  # (the interpreter hands loop indices over as Python ints)
-        mean = tl.load(Mean + row)
-        rstd = tl.load(Rstd + row)
-        # pass 1: the two row sums that dx needs (evict_last: pass 2 reads x and dy again)
-        sum_x_hat_g = tl.zeros((BLOCK_N,), COMPUTE)
-        sum_g = tl.zeros((BLOCK_N,), COMPUTE)
-        for start in range(0, N, BLOCK_N):
-            mask = start + cols < N
-            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
-            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
-            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            g = dy * w
-            sum_x_hat_g += tl.where(mask, (x - mean) * rstd, 0.0) * g
-            sum_g += g
-        mean_x_hat_g = tl.sum(sum_x_hat_g, axis=0) / N
-        mean_g = tl.sum(sum_g, axis=0) / N
-        # pass 2: dx, and this row's dw, db added to the program's partial row, which stays in memory
-        # (L2 when it fits): a long row does not fit in registers.
-        for start in range(0, N, BLOCK_N):
-            mask = start + cols < N
-            x = tl.load(X + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            x_hat = (x - mean) * rstd
-            dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
-            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw = tl.load(PartialDW + partial + start + cols, mask=mask)
-            db = tl.load(PartialDB + partial + start + cols, mask=mask)
-            tl.store(PartialDW + partial + start + cols, dw + dy * x_hat, mask=mask)
-            tl.store(PartialDB + partial + start + cols, db + dy, mask=mask)
-
-
-@triton.jit
-def _layer_norm_bwd_dwdb_kernel(PartialDW, PartialDB, DW, DB, n_partials, N,
-                                BLOCK_PARTIALS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_mask = cols < N
-    dw = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDW.dtype.element_ty)
-    db = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDB.dtype.element_ty)
-    for start in range(0, n_partials, BLOCK_PARTIALS):
-        partials = start + tl.arange(0, BLOCK_PARTIALS)
-        mask = (partials < n_partials)[:, None] & col_mask[None, :]
-        offsets = partials.to(tl.int64)[:, None] * N + cols[None, :]
-        dw += tl.load(PartialDW + offsets, mask=mask, other=0.0)
-        db += tl.load(PartialDB + offsets, mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+# --- backward (kernels in layer_norm_backward.py) -------------------------------------------------
 
 
 def launch_layer_norm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                           rstd: torch.Tensor):
-    _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
-                             per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
+    check_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
+                      per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
     check_inputs("layer_norm_backward", grad_out, x, weight, mean, rstd)
-    return launch_layer_norm_bwd_unchecked(grad_out, x, weight, mean, rstd)
-
-
-def launch_layer_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                    mean: torch.Tensor, rstd: torch.Tensor):
-    """``launch_layer_norm_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
-    rows, n = row_matrix("layer_norm_backward", x)
-    grad_x = torch.empty_like(x)
-    if rows == 0:
-        return grad_x, torch.zeros_like(weight), torch.zeros_like(weight)
-    tile = row_tile(n)
-    programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
-    programs = persistent_program_count(x, cdiv(rows, tile.rows_per_tile), programs_per_sm)
-    # Programs of the row-in-registers kernel write their partial rows once; the looped kernel adds
-    # every row into its partial row, so there the buffers start at zero.
-    allocate = torch.zeros if tile.looped else torch.empty
-    partial_dw = allocate(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
-    partial_db = allocate(programs, n, dtype=partial_dw.dtype, device=x.device)
-    grad_weight = torch.empty_like(weight)
-    grad_bias = torch.empty_like(weight)
-    reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
-        n, programs, persistent_program_count(x, n, 2))
-    # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
-    # multiply-add, dy·w stays unrounded while c₂ (built from the rounded dy·w) does not, which leaves
-    # rounding noise where the exact answer is 0 (rows of one element). The kernel is memory-bound:
-    # the separate multiply costs nothing.
-    with on_device(x):
-        if tile.looped:
-            launch(_layer_norm_bwd_looped_kernel, (programs,), grad_out, x, weight, mean, rstd, grad_x, partial_dw,
-                   partial_db, rows, n, BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
-                   num_warps=tile.num_warps, enable_fp_fusion=False)
-        else:
-            launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean, rstd, grad_x, partial_dw,
-                   partial_db, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                   COMPUTE=compute_dtype(x.dtype), num_warps=tile.num_warps, enable_fp_fusion=False)
-        launch(_layer_norm_bwd_dwdb_kernel, (reduction_programs,), partial_dw, partial_db, grad_weight, grad_bias,
-               programs, n, BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, num_warps=4)
-    return grad_x, grad_weight, grad_bias
+    return launch_norm_bwd_unchecked(grad_out, x, weight, mean, rstd)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -337,7 +239,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 @layer_norm_forward.register_fake
 def _layer_norm_forward_fake(x, weight, bias, eps):
-    rows, _ = _check_layer_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
+    rows, _ = check_norm_shapes("layer_norm_forward", x, per_column={"weight": weight, "bias": bias})
     mean = x.new_empty(rows, dtype=accumulator_dtype(x.dtype))
     return torch.empty_like(x), mean, torch.empty_like(mean)
 
@@ -371,8 +273,8 @@ def layer_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.T
 
 @layer_norm_backward.register_fake
 def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
-    _check_layer_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
-                             per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
+    check_norm_shapes("layer_norm_backward", x, per_column={"weight": weight},
+                      per_row={"mean": mean, "rstd": rstd}, like_x={"grad_out": grad_out})
     return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
 
 
@@ -391,8 +293,7 @@ class _LayerNormEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_layer_norm_bwd_unchecked(grad_out.contiguous(),
-                                                                              *ctx.saved_tensors)
+        grad_x, grad_weight, grad_bias = launch_norm_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -13,6 +13,7 @@ Kernels, in the order they run
                                      softmax); pass 2 normalises. The row is read twice
     ``_softmax_bwd_kernel``          dx per row from y and dy in registers
     ``_softmax_bwd_looped_kernel``   the same for long rows: pass 1 sums dy·y, pass 2 writes dx
+    (a few long rows: split across programs, in softmax_split.py)
 
 The one idea that makes it fast
     Level 1 makes four passes over memory (max, subtract-and-exp, sum, divide) and allocates the
@@ -24,18 +25,20 @@ The one idea that makes it fast
 Launch
     ``launch.row_tile``, shared with LayerNorm: a row rounded up to a power of two is one block if it
     fits in 16384 elements; short rows are stacked into tiles of at least 4096 elements; one warp per
-    1024 elements. Longer rows get one program each and are walked in blocks of 4096.
+    1024 elements. Longer rows get one program each and are walked in blocks of 4096, unless they are
+    too few to fill the SMs: then ``launch.row_strategy`` splits each across programs (softmax_split.py).
 
 Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
     8192 × 8192 float32: forward 183 µs, 2.94 TB/s (99 % of copy; torch.softmax 1.84 TB/s), backward
     2.99 TB/s. bfloat16: forward 2.85 TB/s (96 %), backward 2.91 TB/s.
     64 rows of 300000 (online kernels): forward 0.90 TB/s, backward 0.97 TB/s: 64 programs on 132
-    SMs, each walking its row alone. Splitting each row over several programs (partial maxima and
-    sums in a first launch, merged in a second) would fill the GPU; it is not done here.
+    SMs, each walking its row alone. Such rows (few, at least launch.SPLIT_MIN_ROW long) are now split
+    across programs instead (softmax_split.py: partial maxima and sums in a first launch, merged in a
+    second); not yet measured on the GPU.
 
 Limits
-    Any N (rows of any length are looped over, never rejected; long rows use one program each, so a
-    few long rows leave most SMs idle), contiguous input. float16, bfloat16, float32 and float64 on
+    Any N (rows of any length are looped over, or split across programs, never rejected), contiguous
+    input. float16, bfloat16, float32 and float64 on
     the GPU, computed in float32 (float64 for float64); float32 and float64 under the CPU interpreter.
 
 Check
@@ -47,7 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix, row_tile
+from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix,
+                     row_strategy, row_tile)
+from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -126,16 +131,20 @@ def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.const
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     _check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(_softmax_fwd_online_kernel, _softmax_fwd_kernel, x)
+    return _run_row_kernels(_softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x)
 
 
-def _run_row_kernels(looped_kernel, tiled_kernel, *inputs: torch.Tensor) -> torch.Tensor:
-    """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices: rows that fit a block
-    go several to a program (``tiled_kernel``), longer rows one to a program looping over their blocks
-    (``looped_kernel``)."""
+def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor) -> torch.Tensor:
+    """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices by the strategy
+    ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
+    (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
+    few long rows split across programs (``split_launcher``, softmax_split.py)."""
     rows, n = row_matrix("softmax", inputs[-1])
     out = torch.empty_like(inputs[-1])
     if out.numel() == 0:
+        return out
+    if row_strategy(rows, n, out) == "split":
+        split_launcher(*inputs, out, rows, n)
         return out
     tile = row_tile(n)
     compute = compute_dtype(out.dtype)
@@ -193,7 +202,7 @@ def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def launch_softmax_bwd_unchecked(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
-    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, grad_out, y)
+    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, launch_softmax_bwd_split, grad_out, y)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------

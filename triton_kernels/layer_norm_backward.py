@@ -1,0 +1,204 @@
+"""LayerNorm's and RMSNorm's backward in Triton: dx along each row, dw (and db) across rows.
+
+What it computes (``layer_norm.py`` has the forward and the ops)
+    x̂ = (x − mean)·rstd,  g = dy·w
+    dx = rstd·(g − x̂·mean(x̂·g) − mean(g))      a reduction along each row (RMSNorm: mean 0, no mean(g))
+    dw = Σ_rows dy·x̂,  db = Σ_rows dy          reductions *across* rows (RMSNorm: no db)
+
+The one idea
+    The cross-row sums are the hard part. A persistent backward launches about one program per SM;
+    each walks a strided set of rows, keeps its running dw, db in registers (rows held in registers)
+    or in its own row of the partial buffer (looped rows), and leaves one row of a small (programs, N)
+    float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns in a fixed order:
+    deterministic, no atomics. A few long rows are split across programs instead
+    (``layer_norm_split.py``), whose partial rows the same column reduction sums.
+
+Check
+    python -m pytest tests -k "(layer_norm or rms_norm) and triton"
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    column_reduction_launch,
+    compute_dtype,
+    launch,
+    on_device,
+    persistent_program_count,
+    row_matrix,
+    row_strategy,
+    row_tile,
+)
+from .layer_norm_split import launch_norm_bwd_split
+
+BACKWARD_WARPS_PER_SM = 8
+"""How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
+running dw, db in registers: ~220 a thread at N = 8192 with 8 warps, so one program fills most of an
+SM's 64K-register file. More programs would only queue, and each adds a row to the partial buffers.
+(On an H100 at 8192 × 8192, one program per SM beat two and four.)"""
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
+                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
+                           SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    # This program's running dw and db live in registers across all of its rows.
+    dw = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
+    db = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
+    for tile in range(program, tl.cdiv(n_rows, ROWS_PER_TILE), tl.num_programs(0)):
+        rows = tile * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        if SUBTRACT_MEAN:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+            x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        else:
+            x_hat = x * rstd[:, None]  # padding read as 0 stays 0
+        g = dy * w[None, :]
+        mean_x_hat_g = tl.sum(x_hat * g, axis=1) / N
+        if SUBTRACT_MEAN:
+            mean_g = tl.sum(g, axis=1) / N
+            dx = (g - (x_hat * mean_x_hat_g[:, None] + mean_g[:, None])) * rstd[:, None]
+        else:
+            dx = (g - x_hat * mean_x_hat_g[:, None]) * rstd[:, None]
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        if HAS_BIAS:
+            db += dy
+    # One row of the partial buffers per program: small enough to stay in L2 for the column reduction.
+    partial = program.to(tl.int64) * N + cols
+    tl.store(PartialDW + partial, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(PartialDB + partial, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
+                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                                  HAS_BIAS: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    partial = program.to(tl.int64) * N
+    for row in range(program, n_rows, tl.num_programs(0)):
+        offset = tl.cast(row, tl.int64) * N  # (the interpreter hands loop indices over as Python ints)
+        rstd = tl.load(Rstd + row)
+        mean = tl.zeros((), COMPUTE)  # RMSNorm's: x̂ = (x − 0)·rstd
+        if SUBTRACT_MEAN:
+            mean = tl.load(Mean + row)
+        # pass 1: the row sums that dx needs (evict_last: pass 2 reads x and dy again)
+        sum_x_hat_g = tl.zeros((BLOCK_N,), COMPUTE)
+        sum_g = tl.zeros((BLOCK_N,), COMPUTE)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            g = dy * w
+            sum_x_hat_g += tl.where(mask, (x - mean) * rstd, 0.0) * g
+            sum_g += g
+        mean_x_hat_g = tl.sum(sum_x_hat_g, axis=0) / N
+        mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
+        if SUBTRACT_MEAN:
+            mean_g = tl.sum(sum_g, axis=0) / N
+        # pass 2: dx, and this row's dw, db added to the program's partial row, which stays in memory
+        # (L2 when it fits): a long row does not fit in registers.
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(X + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
+            x_hat = (x - mean) * rstd
+            dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
+            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw = tl.load(PartialDW + partial + start + cols, mask=mask)
+            tl.store(PartialDW + partial + start + cols, dw + dy * x_hat, mask=mask)
+            if HAS_BIAS:
+                db = tl.load(PartialDB + partial + start + cols, mask=mask)
+                tl.store(PartialDB + partial + start + cols, db + dy, mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_dwdb_kernel(PartialDW, PartialDB, DW, DB, n_partials, N,
+                                BLOCK_PARTIALS: tl.constexpr, BLOCK_COLS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < N
+    dw = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDW.dtype.element_ty)
+    db = tl.zeros((BLOCK_PARTIALS, BLOCK_COLS), PartialDB.dtype.element_ty)
+    for start in range(0, n_partials, BLOCK_PARTIALS):
+        partials = start + tl.arange(0, BLOCK_PARTIALS)
+        mask = (partials < n_partials)[:, None] & col_mask[None, :]
+        offsets = partials.to(tl.int64)[:, None] * N + cols[None, :]
+        dw += tl.load(PartialDW + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(PartialDB + offsets, mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              mean: torch.Tensor | None, rstd: torch.Tensor):
+    """The backward of both norms, without checks (see ``triton_kernels/__init__.py``): LayerNorm's
+    (grad_x, grad_weight, grad_bias), or RMSNorm's (grad_x, grad_weight, None) when ``mean`` is None."""
+    subtract_mean = mean is not None
+    rows, n = row_matrix("layer_norm_backward" if subtract_mean else "rms_norm_backward", x)
+    grad_x = torch.empty_like(x)
+    if rows == 0:
+        return grad_x, torch.zeros_like(weight), (torch.zeros_like(weight) if subtract_mean else None)
+    if row_strategy(rows, n, x) == "split":  # a few long rows: each split across programs
+        partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n)
+    else:
+        partial_dw, partial_db = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n)
+    # RMSNorm has no bias: dw's buffer and gradient stand in for the pointers its kernels never read.
+    programs = partial_dw.shape[0]
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.empty_like(weight) if subtract_mean else None
+    reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
+        n, programs, persistent_program_count(x, n, 2))
+    with on_device(x):
+        launch(_layer_norm_bwd_dwdb_kernel, (reduction_programs,), partial_dw,
+               partial_dw if partial_db is None else partial_db, grad_weight,
+               grad_weight if grad_bias is None else grad_bias, programs, n, BLOCK_PARTIALS=block_partials,
+               BLOCK_COLS=block_cols, HAS_BIAS=subtract_mean, num_warps=4)
+    return grad_x, grad_weight, grad_bias
+
+
+def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n):
+    """dx by the one-program-per-row (or per tile of rows) kernels; returns the (programs, n) partial dw,
+    db buffers (db None for RMSNorm, whose ``mean`` is None)."""
+    subtract_mean = mean is not None
+    tile = row_tile(n)
+    programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
+    programs = persistent_program_count(x, cdiv(rows, tile.rows_per_tile), programs_per_sm)
+    # Programs of the row-in-registers kernel write their partial rows once; the looped kernel adds
+    # every row into its partial row, so there the buffers start at zero.
+    allocate = torch.zeros if tile.looped else torch.empty
+    partial_dw = allocate(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
+    partial_db = allocate(programs, n, dtype=partial_dw.dtype, device=x.device) if subtract_mean else None
+    flags = dict(COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
+                 num_warps=tile.num_warps, enable_fp_fusion=False)
+    # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
+    # multiply-add, dy·w stays unrounded while c₂ (built from the rounded dy·w) does not, which leaves
+    # rounding noise where the exact answer is 0 (rows of one element). The kernel is memory-bound:
+    # the separate multiply costs nothing.
+    mean_in, partial_db_in = (mean, partial_db) if subtract_mean else (rstd, partial_dw)  # never read by RMSNorm
+    with on_device(x):
+        if tile.looped:
+            launch(_layer_norm_bwd_looped_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
+                   partial_db_in, rows, n, BLOCK_N=tile.block_n, **flags)
+        else:
+            launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
+                   partial_db_in, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, **flags)
+    return partial_dw, partial_db

@@ -1,0 +1,222 @@
+"""LayerNorm and RMSNorm in Triton for a few long rows: each row split across programs, in two phases.
+
+Why
+    ``layer_norm.py`` gives each row one program. With a few long rows (a (4, 262144) activation, a
+    batch of one sequence of long features) that is a few programs on a GPU of 132 SMs: most SMs sit
+    idle, and each busy one loops over its row alone. Here a row is cut into slices of
+    ``launch.SPLIT_BLOCK`` elements, one program each, so rows × slices programs share the work.
+    ``launch.row_strategy`` decides when (its thresholds are first guesses, not yet measured on a GPU).
+
+What it computes (the formulas of ``layer_norm.py``; RMSNorm with ``SUBTRACT_MEAN=HAS_BIAS=False``)
+    forward  phase 1  each slice's mean and sum of squared deviations (m2) (RMSNorm: its Σx²), into
+                      (rows, slices) float32 buffers
+             phase 2  each program combines its row's partials (Chan's formula: the mean is the
+                      count-weighted mean of the slices' means, m2 the slices' m2 plus each slice's
+                      count·(slice mean − mean)²; no Σx² cancellation) and normalises its slice
+    backward phase 1  each slice's Σx̂·g and Σg, into (rows, slices) buffers
+             phase 2  programs own (slice, group of rows): for each of their rows they combine the
+                      row's partial sums, write dx for their slice and add dy·x̂ (and dy) into dw (db)
+                      kept in registers; then one partial row per group, which the column reduction
+                      of ``layer_norm_backward.py`` sums in a fixed order: deterministic, no atomics
+
+Cost
+    x is read twice forward (phase 2 re-reads each slice, from L2 when the rows in flight fit there)
+    and x, dy twice backward, as in the looped kernels; the partial buffers are rows × slices values.
+    Every phase-2 program reads all its row's partials from L2: at 2^24 elements a row, 4096 of them,
+    as many bytes as its own float32 slice (larger slices for such rows would cut that).
+
+Limits
+    As ``layer_norm.py``; a row has at most 2^31 elements.
+
+Check
+    python -m pytest tests -k "strateg"
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
+from .launch import (
+    accumulator_dtype,
+    cdiv,
+    compute_dtype,
+    launch,
+    next_power_of_2,
+    on_device,
+    persistent_program_count,
+    split_float,
+)
+
+SPLIT_WARPS = 4
+"""Warps of a split program: 32 values a thread for a 4096-element slice, as ``row_tile`` gives a row
+of 4096."""
+
+# --- forward -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_fwd_split_statistics_kernel(X, PartialMean, PartialM2, N, n_slices, BLOCK_N: tl.constexpr,
+                                      COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    row = tl.program_id(0)
+    piece = tl.program_id(1)
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    # evict_last: phase 2 reads this slice again
+    x = tl.load(X + row.to(tl.int64) * N + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+    slot = row.to(tl.int64) * n_slices + piece
+    if SUBTRACT_MEAN:
+        mean = tl.sum(x, axis=0) / tl.cast(tl.minimum(N - piece * BLOCK_N, BLOCK_N), COMPUTE)
+        deviation = tl.where(mask, x - mean, 0.0)
+        tl.store(PartialMean + slot, mean)
+        tl.store(PartialM2 + slot, tl.sum(deviation * deviation, axis=0))
+    else:
+        tl.store(PartialM2 + slot, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _norm_fwd_split_normalize_kernel(X, Y, W, B, PartialMean, PartialM2, Mean, Rstd, N, n_slices, eps_high, eps_low,
+                                     BLOCK_N: tl.constexpr, BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr,
+                                     STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                                     HAS_BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    piece = tl.program_id(1)
+    # Every program of a row combines the row's few partials itself: cheaper than a third launch.
+    slices = tl.arange(0, BLOCK_SLICES)
+    slice_mask = slices < n_slices
+    slots = row.to(tl.int64) * n_slices + slices
+    m2 = tl.sum(tl.load(PartialM2 + slots, mask=slice_mask, other=0.0), axis=0)
+    mean = tl.zeros((), COMPUTE)  # RMSNorm's
+    if SUBTRACT_MEAN:
+        counts = tl.where(slice_mask, tl.minimum(N - slices * BLOCK_N, BLOCK_N), 0).to(COMPUTE)
+        means = tl.load(PartialMean + slots, mask=slice_mask, other=0.0)
+        mean = tl.sum(counts * means, axis=0) / N
+        deviation = means - mean
+        m2 += tl.sum(counts * deviation * deviation, axis=0)
+    rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
+    if STORE_STATISTICS:
+        if piece == 0:
+            if SUBTRACT_MEAN:
+                tl.store(Mean + row, mean)
+            tl.store(Rstd + row, rstd)
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    offsets = row.to(tl.int64) * N + cols
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
+    w = tl.load(W + cols, mask=mask).to(COMPUTE)
+    y = (x - mean) * rstd * w
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask).to(COMPUTE)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n):
+    """Fill ``out`` (and ``mean``, ``rstd`` unless None) for LayerNorm, or RMSNorm when ``bias`` is None;
+    ``layer_norm.launch_norm_fwd`` has checked and allocated everything."""
+    subtract_mean = bias is not None
+    block = launch_settings.SPLIT_BLOCK
+    slices = cdiv(n, block)
+    partial_m2 = torch.empty(rows, slices, dtype=accumulator_dtype(x.dtype), device=x.device)
+    partial_mean = torch.empty_like(partial_m2) if subtract_mean else partial_m2  # RMSNorm never reads it
+    keep_statistics = rstd is not None
+    # Pointers a kernel never reads: out stands in (see launch_norm_fwd).
+    mean_out, rstd_out = (mean if mean is not None else out), (rstd if keep_statistics else out)
+    with on_device(x):
+        launch(_norm_fwd_split_statistics_kernel, (rows, slices), x, partial_mean, partial_m2, n, slices,
+               BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
+               num_warps=SPLIT_WARPS)
+        launch(_norm_fwd_split_normalize_kernel, (rows, slices), x, out, weight, bias if subtract_mean else weight,
+               partial_mean, partial_m2, mean_out, rstd_out, n, slices, *split_float(eps), BLOCK_N=block,
+               BLOCK_SLICES=next_power_of_2(slices), COMPUTE=compute_dtype(x.dtype),
+               STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
+               num_warps=SPLIT_WARPS)
+
+
+# --- backward ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    """x̂ = (x − mean)·rstd of one slice of a row (0 in the padding), and the row's rstd."""
+    x = tl.load(X + tl.cast(row, tl.int64) * N + cols, mask=mask, other=0.0).to(COMPUTE)
+    rstd = tl.load(Rstd + row)
+    if SUBTRACT_MEAN:
+        x = tl.where(mask, x - tl.load(Mean + row), 0.0)
+    return x * rstd, rstd
+
+
+@triton.jit
+def _norm_bwd_split_sums_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, N, n_slices, BLOCK_N: tl.constexpr,
+                                COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    row = tl.program_id(0)
+    piece = tl.program_id(1)
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x_hat, _ = _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE, SUBTRACT_MEAN)
+    dy = tl.load(DY + row.to(tl.int64) * N + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+    g = dy * tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
+    slot = row.to(tl.int64) * n_slices + piece
+    tl.store(PartialXHatG + slot, tl.sum(x_hat * g, axis=0))
+    if SUBTRACT_MEAN:
+        tl.store(PartialG + slot, tl.sum(g, axis=0))
+
+
+@triton.jit
+def _norm_bwd_split_dx_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, DX, PartialDW, PartialDB, n_rows, N,
+                              n_slices, BLOCK_N: tl.constexpr, BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr,
+                              SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    piece = tl.program_id(0)
+    group = tl.program_id(1)
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    slices = tl.arange(0, BLOCK_SLICES)
+    slice_mask = slices < n_slices
+    w = tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
+    # This program's share of dw and db (its slice's columns, summed over its rows) stays in registers.
+    dw = tl.zeros((BLOCK_N,), COMPUTE)
+    db = tl.zeros((BLOCK_N,), COMPUTE)
+    for row in range(group, n_rows, tl.num_programs(1)):
+        slots = tl.cast(row, tl.int64) * n_slices + slices
+        mean_x_hat_g = tl.sum(tl.load(PartialXHatG + slots, mask=slice_mask, other=0.0), axis=0) / N
+        mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
+        if SUBTRACT_MEAN:
+            mean_g = tl.sum(tl.load(PartialG + slots, mask=slice_mask, other=0.0), axis=0) / N
+        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE, SUBTRACT_MEAN)
+        offsets = tl.cast(row, tl.int64) * N + cols
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
+        dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        if HAS_BIAS:
+            db += dy
+    partial = group.to(tl.int64) * N + cols
+    tl.store(PartialDW + partial, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(PartialDB + partial, db, mask=mask)
+
+
+def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n):
+    """Fill ``grad_x`` and return the (groups, n) partial dw and db buffers (db: None for RMSNorm, whose
+    ``mean`` is None) that ``layer_norm.launch_norm_bwd_unchecked`` reduces over their rows."""
+    subtract_mean = mean is not None
+    block = launch_settings.SPLIT_BLOCK
+    slices = cdiv(n, block)
+    statistics_dtype = accumulator_dtype(x.dtype)
+    partial_x_hat_g = torch.empty(rows, slices, dtype=statistics_dtype, device=x.device)
+    partial_g = torch.empty_like(partial_x_hat_g) if subtract_mean else partial_x_hat_g  # RMSNorm never reads it
+    # Groups of rows per slice: enough programs for about two per SM, never more groups than rows.
+    groups = max(1, persistent_program_count(x, rows * slices, 2) // slices)
+    partial_dw = torch.empty(groups, n, dtype=statistics_dtype, device=x.device)
+    partial_db = torch.empty_like(partial_dw) if subtract_mean else None
+    mean_in = mean if subtract_mean else rstd  # a pointer RMSNorm's kernels never read
+    # enable_fp_fusion=False in both phases: dx's cancellation needs the g = dy·w that phase 1 sums to be
+    # the rounded g that phase 2 subtracts from (layer_norm.py's backward says why).
+    flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
+                 num_warps=SPLIT_WARPS, enable_fp_fusion=False)
+    with on_device(x):
+        launch(_norm_bwd_split_sums_kernel, (rows, slices), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
+               partial_g, n, slices, **flags)
+        launch(_norm_bwd_split_dx_kernel, (slices, groups), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
+               partial_g, grad_x, partial_dw, partial_dw if partial_db is None else partial_db, rows, n, slices,
+               BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
+    return partial_dw, partial_db
