@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import cuda_backend, inductor, torchscript, triton_backend
+from .backends import cuda_backend, inductor, liger_ops, torchscript, triton_backend
 from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 
@@ -110,7 +110,22 @@ class LayerNormSpec(NormalizationSpec):
         return per_element * element_count(shape)
 
     def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        return {"F.layer_norm (PyTorch fused)": _PyTorchFusedLayerNorm(self)}
+        references = {"F.layer_norm (PyTorch fused)": _PyTorchFusedLayerNorm(self)}
+        liger = liger_ops(device)
+        if liger is not None and len(self.normalized_shape) == 1:  # Liger normalises the last dim only
+            references["Liger LayerNorm"] = _LigerLayerNorm(self, liger)
+        return references
+
+
+class _LigerLayerNorm(nn.Module):
+    """Liger-Kernel's Triton LayerNorm on the spec's own parameters, as a reference row."""
+
+    def __init__(self, spec: LayerNormSpec, liger):
+        super().__init__()
+        self.spec, self.function = spec, liger.LigerLayerNormFunction
+
+    def forward(self, x):
+        return self.function.apply(x, self.spec.weight, self.spec.bias, self.spec.eps)
 
 
 class _PyTorchFusedLayerNorm(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import cuda_backend, inductor, torchscript, triton_backend
+from .backends import cuda_backend, inductor, liger_ops, torchscript, triton_backend
 from .layer_norm import NormalizationSpec, normalize_rows
 from .spec import element_count
 
@@ -65,7 +65,24 @@ class RMSNormSpec(NormalizationSpec):
         return per_element * element_count(shape)
 
     def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        return {"F.rms_norm (PyTorch)": _PyTorchRMSNorm(self)}
+        references = {"F.rms_norm (PyTorch)": _PyTorchRMSNorm(self)}
+        liger = liger_ops(device)
+        if liger is not None and len(self.normalized_shape) == 1:  # Liger normalises the last dim only
+            references["Liger RMSNorm"] = _LigerRMSNorm(self, liger)
+        return references
+
+
+class _LigerRMSNorm(nn.Module):
+    """Liger-Kernel's Triton RMSNorm on the spec's own parameters, as a reference row: its "gemma"
+    casting (every step in float32, as our kernels compute), and not in place (its default overwrites
+    the incoming gradient, which a timed loop reuses)."""
+
+    def __init__(self, spec: RMSNormSpec, liger):
+        super().__init__()
+        self.spec, self.function = spec, liger.LigerRMSNormFunction
+
+    def forward(self, x):
+        return self.function.apply(x, self.spec.weight, self.spec.eps, 0.0, "gemma", False)
 
 
 class _PyTorchRMSNorm(nn.Module):
