@@ -9,11 +9,15 @@
 // Kernels, in the order they run
 //   attention_backward_delta_kernel            delta, one row per thread group, 16-byte loads
 //   float16 / bfloat16 (tensor cores, FlashAttention-2's plan on mma.sync):
-//     attention_backward_tensor_core_kernel    a CTA owns 16 keys per warp; its K and V tiles stay in
-//                                              shared memory while tiles of 64 queries (q, dout, lse,
-//                                              delta) stream past, double-buffered with cp.async.
-//                                              Each warp recomputes its 16 x 64 tiles of S^T and dP^T
-//                                              in registers, keeps dk and dv in registers for the
+//     attention_backward_tensor_core_kernel    a CTA owns 16 keys per warp (per two warps past tile
+//                                              width 128, see BackwardWarps) of one kv head; its K and
+//                                              V tiles stay in shared memory while tiles of 64 queries
+//                                              (32 at tile widths 96, 192, 256; q, dout, lse, delta)
+//                                              stream past, double-buffered with cp.async, those of
+//                                              each query head of the kv head's group in turn
+//                                              (grouped-query attention). Each warp recomputes its
+//                                              16-key tiles of S^T and dP^T in registers, keeps dk
+//                                              and dv (or its half of their columns) in registers for the
 //                                              whole loop, and hands dS^T to the other warps through
 //                                              shared memory for dq += dS k, which it adds to a
 //                                              float32 buffer with atomics (vector red.add)
@@ -33,7 +37,8 @@
 //
 // Limits
 //   As the forward (attention_forward.cu). The float16/bfloat16 path sums dq in a nondeterministic
-//   order (atomics): results differ between runs by float32 rounding.
+//   order (atomics): results differ between runs by float32 rounding. dk and dv are summed over a
+//   grouped-query group by one CTA in one order: deterministic.
 //
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_backward.cu -o /tmp/attention_backward.o
@@ -46,11 +51,12 @@ namespace kernel_ladder {
 
 // --- delta = rowsum(dout * out) ------------------------------------------------------------------
 
-// A row of kD values is kD / kVec 16-byte packs, read by up to 16 threads (each summing the rest).
+// A row of d <= kD values is d / kVec 16-byte packs, read by a power of two of threads, up to 16 (each
+// summing the rest).
 template <typename T, int kD>
 struct DeltaRows {
   static constexpr int kPacks = kD / kVecOf<T>;
-  static constexpr int kThreadsPerRow = kPacks < 16 ? kPacks : 16;
+  static constexpr int kThreadsPerRow = kPacks >= 16 ? 16 : kPacks >= 8 ? 8 : kPacks >= 4 ? 4 : kPacks >= 2 ? 2 : 1;
   static constexpr int kThreads = 256;
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
 };
@@ -58,7 +64,7 @@ struct DeltaRows {
 template <typename T, int kD>
 __global__ void __launch_bounds__(DeltaRows<T, kD>::kThreads)
 attention_backward_delta_kernel(const T* __restrict__ grad_out, const T* __restrict__ out, Acc<T>* __restrict__ delta,
-                                int64_t rows) {
+                                int64_t rows, int d) {
   using Rows = DeltaRows<T, kD>;
   constexpr int kVec = kVecOf<T>;
   const int64_t row = int64_t{blockIdx.x} * Rows::kRowsPerBlock + threadIdx.x / Rows::kThreadsPerRow;
@@ -66,9 +72,9 @@ attention_backward_delta_kernel(const T* __restrict__ grad_out, const T* __restr
   Acc<T> sum = 0;
   if (row < rows) {  // no early return: the whole warp takes part in the shuffles below
 #pragma unroll
-    for (int pack = part; pack < Rows::kPacks; pack += Rows::kThreadsPerRow) {
-      const Pack<T, kVec> dy = load_pack<T, kVec>(grad_out + row * kD + pack * kVec);
-      const Pack<T, kVec> y = load_pack<T, kVec>(out + row * kD + pack * kVec);
+    for (int pack = part; pack < d / kVec; pack += Rows::kThreadsPerRow) {
+      const Pack<T, kVec> dy = load_pack<T, kVec>(grad_out + row * d + pack * kVec);
+      const Pack<T, kVec> y = load_pack<T, kVec>(out + row * d + pack * kVec);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) sum += to_acc(dy.val[j]) * to_acc(y.val[j]);
     }
@@ -79,20 +85,42 @@ attention_backward_delta_kernel(const T* __restrict__ grad_out, const T* __restr
 
 // --- float16 / bfloat16 on the tensor cores ------------------------------------------------------
 
-constexpr int kQueryTile = 64;  // queries per shared-memory tile of the tensor-core backward
 
-// Shared memory: K and V (kWarps * 16 rows each), two buffers each of q and dout, dS^T (keys x
-// queries), and two buffers each of lse and delta.
-template <typename T, int kD, int kWarps>
+// How a CTA of the tensor-core backward splits its work. Each warp owns 16 keys and holds their dk and
+// dv accumulators, 2 x kD / 2 registers at full width: past tile width 128 (2 x 96 or 2 x 128, beside
+// S^T and dP^T) that no longer fits 255 registers, so there two warps share 16 keys, each summing dk
+// and dv for half of the columns. Both then compute the keys' S^T and dP^T (two of the five products
+// done twice), which costs less than spilling the accumulators to local memory.
+template <int kD>
+struct BackwardWarps {
+  // Head dim 128: 8 warps (128 keys a CTA) halve the dq atomics and the q, dout reloads per key,
+  // 2.99 ms against 3.48 ms with 4 for the kernel at (4, 16, 4096, 128) bf16 causal on an H100.
+  // Smaller head dims do more of their work per byte in those reloads' place, and 4 warps win
+  // (d 64: 1.71 against 1.75 ms; d 32: 1.01 against 1.15 ms); tile width 96 is not measured.
+  static constexpr int kWarps = kD >= 128 ? 8 : 4;
+  static constexpr int kColumnParts = kD > 128 ? 2 : 1;  // warps sharing 16 keys
+  static constexpr int kColumns = kD / kColumnParts;     // dk, dv columns per warp
+  static constexpr int kKeys = kWarps / kColumnParts * 16;  // keys per CTA
+  // Queries per shared-memory tile: the warp's S^T and dP^T tiles take kQueries / 2 registers each. The
+  // new tile widths (96, 192, 256) take 32, to leave room for the dk, dv accumulators: with 64, ptxas
+  // spilled 16 (96), 8 (192) and 40 (256) bytes a thread. 128 keeps its measured 64 (and its 40).
+  static constexpr int kQueries = kD <= 64 || kD == 128 ? 64 : 32;
+};
+
+// Shared memory: K and V (kKeys rows each), two buffers each of q and dout, dS^T (keys x queries), and
+// two buffers each of lse and delta. At tile width 256: (128 + 256) x 528 + 64 x 144 + 1024 bytes = 208 KB
+// of the 227 KB a block may have on an H100.
+template <typename T, int kD>
 constexpr int attention_backward_shared_bytes() {
-  return ((2 * kWarps * 16 + 4 * kQueryTile) * kPaddedPitch<kD> + kWarps * 16 * kPaddedPitch<kQueryTile>) *
+  constexpr int kKeys = BackwardWarps<kD>::kKeys, kQueryTile = BackwardWarps<kD>::kQueries;
+  return ((2 * kKeys + 4 * kQueryTile) * kPaddedPitch<kD> + kKeys * kPaddedPitch<kQueryTile>) *
              static_cast<int>(sizeof(T)) +
          4 * kQueryTile * static_cast<int>(sizeof(float));
 }
 
 // c (16 x kQueryTile) = a b^T, a = the warp's 16 rows of a key-major tile (K or V), b = a query tile
 // (q or dout): S^T = k q^T and dP^T = v dout^T, one 16-wide slice of the head dim at a time.
-template <typename T, int kD>
+template <typename T, int kD, int kQueryTile = BackwardWarps<kD>::kQueries>
 __device__ __forceinline__ void warp_rows_times_queries(float (&c)[kQueryTile / 8][4], const T* warp_rows,
                                                         const T* query_tile) {
 #pragma unroll
@@ -107,7 +135,7 @@ __device__ __forceinline__ void warp_rows_times_queries(float (&c)[kQueryTile / 
 
 // s (S^T) becomes P^T = 2^(s * scale_log2 - lse * log2 e) and dp (dP^T) becomes dS^T = P^T (dP^T -
 // delta), for the thread's keys key0, key0 + 8 and queries query0 + 8n + 2 (lane % 4) + {0, 1}.
-template <bool kMasked>
+template <bool kMasked, int kQueryTile>
 __device__ __forceinline__ void probabilities_and_score_grads(float (&s)[kQueryTile / 8][4],
                                                               float (&dp)[kQueryTile / 8][4], const float* lse_tile,
                                                               const float* delta_tile, float scale_log2,
@@ -130,11 +158,12 @@ __device__ __forceinline__ void probabilities_and_score_grads(float (&s)[kQueryT
   }
 }
 
-// dq_accumulator rows [query0, query0 + 16) += c (16 x kCols, columns from `column0`), skipping rows
-// past `rows`. sm_90 adds a float2 in one atomic (red.global.add.v2.f32): half the atomic traffic.
-template <int kD, int kCols>
+// dq_accumulator rows [query0, query0 + 16) (rows of d) += c (16 x kCols, columns from `column0`),
+// skipping rows past `rows` and the tile's columns past d (whole 8-column n-tiles: d is a multiple of 8).
+// sm_90 adds a float2 in one atomic (red.global.add.v2.f32): half the atomic traffic.
+template <int kCols>
 __device__ __forceinline__ void add_to_dq(float* dq_accumulator, const float (&c)[kCols / 8][4], int64_t query0,
-                                          int column0, int64_t rows) {
+                                          int column0, int64_t rows, int d) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -142,7 +171,8 @@ __device__ __forceinline__ void add_to_dq(float* dq_accumulator, const float (&c
     if (row >= rows) continue;
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
-      float* target = dq_accumulator + row * kD + column0 + n * 8 + lane % 4 * 2;
+      if (column0 + n * 8 >= d) break;
+      float* target = dq_accumulator + row * d + column0 + n * 8 + lane % 4 * 2;
 #if __CUDA_ARCH__ >= 900
       atomicAdd(reinterpret_cast<float2*>(target), make_float2(c[n][2 * half], c[n][2 * half + 1]));
 #else
@@ -153,14 +183,16 @@ __device__ __forceinline__ void add_to_dq(float* dq_accumulator, const float (&c
   }
 }
 
-template <typename T, int kD, int kWarps>
-__global__ void __launch_bounds__(kWarps * kWarpSize)
+template <typename T, int kD>
+__global__ void __launch_bounds__(BackwardWarps<kD>::kWarps * kWarpSize)
 attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
                                       const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
                                       const float* __restrict__ delta, float* __restrict__ dq_accumulator,
                                       T* __restrict__ grad_k, T* __restrict__ grad_v) {
-  constexpr int kKeys = kWarps * 16, kThreads = kWarps * kWarpSize, kPitch = kPaddedPitch<kD>;
-  constexpr int kScorePitch = kPaddedPitch<kQueryTile>;
+  using Warps = BackwardWarps<kD>;
+  constexpr int kWarps = Warps::kWarps, kKeys = Warps::kKeys, kColumns = Warps::kColumns;
+  constexpr int kThreads = kWarps * kWarpSize, kPitch = kPaddedPitch<kD>;
+  constexpr int kQueryTile = Warps::kQueries, kScorePitch = kPaddedPitch<kQueryTile>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* k_tile = reinterpret_cast<T*>(shared_bytes);
   T* v_tile = k_tile + kKeys * kPitch;
@@ -170,96 +202,125 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   float* lse_tiles = reinterpret_cast<float*>(score_grads + kKeys * kScorePitch);
   float* delta_tiles = lse_tiles + 2 * kQueryTile;
 
-  // Consecutive CTAs share a (batch, head), so its q and dout stay in L2; the first key tiles (seen by
-  // the most queries when causal) start first.
+  // Consecutive CTAs share a kv head, so its queries' q and dout stay in L2; the first key tiles (seen
+  // by the most queries when causal) start first.
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, key_tiles = ceil_div(lk, kKeys);
-  const int64_t bh = blockIdx.x / key_tiles, j0 = blockIdx.x % key_tiles * kKeys, j1 = min(j0 + kKeys, lk);
-  q += bh * lq * kD;
-  grad_out += bh * lq * kD;
-  lse += bh * lq;
-  delta += bh * lq;
-  dq_accumulator += bh * lq * kD;
+  const int d = static_cast<int>(shape.head_dim);  // <= kD: the row length in global memory
+  const int64_t kv = blockIdx.x / key_tiles, j0 = blockIdx.x % key_tiles * kKeys, j1 = min(j0 + kKeys, lk);
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t key0 = j0 + warp * 16 + lane / 4;  // the thread's keys: key0 and key0 + 8
+  // Warp w owns keys 16 (w % (kWarps / parts)) .. + 16 and dk, dv columns kColumns (w / (kWarps / parts)) .. + kColumns.
+  const int key_warp = warp % (kWarps / Warps::kColumnParts), column_part = warp / (kWarps / Warps::kColumnParts);
+  const int column0 = column_part * kColumns;
+  const int64_t key0 = j0 + key_warp * 16 + lane / 4;  // the thread's keys: key0 and key0 + 8
 
-  // Query tiles that see any key of this CTA (none, for keys no query sees: dk = dv = 0).
+  // Query tiles that see any key of this CTA (none, for keys no query sees: dk = dv = 0), of each query
+  // head of the kv head's group in turn. One CTA sums the whole group into its registers in this one
+  // order: dk and dv are deterministic. The pointers below walk from head to head.
   const int64_t query_begin = visible.first_query(j0) / kQueryTile * kQueryTile, query_end = visible.end_query(j1 - 1);
   const int tiles = query_end > query_begin ? static_cast<int>(ceil_div(query_end - query_begin, kQueryTile)) : 0;
+  const int64_t head_rows = lq * d;  // one query head's q (or dout, or dq) rows
+  q += kv * shape.group * head_rows;
+  grad_out += kv * shape.group * head_rows;
+  dq_accumulator += kv * shape.group * head_rows;
+  lse += kv * shape.group * lq;
+  delta += kv * shape.group * lq;
 
-  const auto load_query_tile = [&](int buffer, int64_t i0) {
-    load_tile_async<kQueryTile, kD, kThreads>(q_tiles + buffer * kQueryTile * kPitch, q, i0, lq);
-    load_tile_async<kQueryTile, kD, kThreads>(dout_tiles + buffer * kQueryTile * kPitch, grad_out, i0, lq);
-    load_row_values_async<kQueryTile>(lse_tiles + buffer * kQueryTile, lse, i0, lq);
-    load_row_values_async<kQueryTile>(delta_tiles + buffer * kQueryTile, delta, i0, lq);
+  // Query tile i0 of the head `heads_ahead` heads after the current one into buffer `buffer`.
+  const auto load_query_tile = [&](int buffer, int64_t i0, int heads_ahead) {
+    load_tile_async<kQueryTile, kD, kThreads>(q_tiles + buffer * kQueryTile * kPitch, q + heads_ahead * head_rows, i0,
+                                              lq, d);
+    load_tile_async<kQueryTile, kD, kThreads>(dout_tiles + buffer * kQueryTile * kPitch,
+                                              grad_out + heads_ahead * head_rows, i0, lq, d);
+    load_row_values_async<kQueryTile>(lse_tiles + buffer * kQueryTile, lse + heads_ahead * lq, i0, lq);
+    load_row_values_async<kQueryTile>(delta_tiles + buffer * kQueryTile, delta + heads_ahead * lq, i0, lq);
   };
-  load_tile_async<kKeys, kD, kThreads>(k_tile, k + bh * lk * kD, j0, lk);
-  load_tile_async<kKeys, kD, kThreads>(v_tile, v + bh * lk * kD, j0, lk);
-  if (tiles > 0) load_query_tile(0, query_begin);
+  load_tile_async<kKeys, kD, kThreads>(k_tile, k + kv * lk * d, j0, lk, d);
+  load_tile_async<kKeys, kD, kThreads>(v_tile, v + kv * lk * d, j0, lk, d);
+  if (tiles > 0) load_query_tile(0, query_begin, 0);
   copy_async_commit();
 
-  float dk[kD / 8][4] = {}, dv[kD / 8][4] = {};
+  float dk[kColumns / 8][4] = {}, dv[kColumns / 8][4] = {};
   const float scale_log2 = static_cast<float>(shape.scale) * kLog2e;
-  // dq += dS k is split over the warps: warp w takes query rows 16 (w % 4) .. + 16 and a share of the columns.
+  // dq += dS k is split over the warps: warp w takes query rows 16 (w % kRowBlocks) .. + 16 and a share of
+  // the columns.
   constexpr int kRowBlocks = kQueryTile / 16, kColumnSplit = kWarps / kRowBlocks, kDqColumns = kD / kColumnSplit;
   static_assert(kWarps % kRowBlocks == 0 && kDqColumns % 16 == 0, "dq work must split evenly over the warps");
+  static_assert(kColumns % 16 == 0, "dk, dv columns must split into whole n-tile pairs");
   const int dq_rows = warp % kRowBlocks * 16, dq_column0 = warp / kRowBlocks * kDqColumns;
 
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t i0 = query_begin + int64_t{t} * kQueryTile;
-    // Buffer (t + 1) % 2 was last read before the middle barrier of iteration t - 1.
-    if (t + 1 < tiles) load_query_tile((t + 1) % 2, i0 + kQueryTile);
-    copy_async_commit();
-    copy_async_wait<1>();
-    __syncthreads();
-    const T* q_tile = q_tiles + t % 2 * kQueryTile * kPitch;
-    const T* dout_tile = dout_tiles + t % 2 * kQueryTile * kPitch;
+  int buffer = 0;  // the buffer of the tile in flight; steps alternate buffers across heads too
+  for (int64_t head = 0; head < shape.group; ++head) {
+    for (int t = 0; t < tiles; ++t, buffer ^= 1) {
+      const int64_t i0 = query_begin + int64_t{t} * kQueryTile;
+      // The other buffer was last read before the middle barrier of the previous step. Prefetch the next
+      // tile of this head, or the first of the next head.
+      if (t + 1 < tiles) {
+        load_query_tile(buffer ^ 1, i0 + kQueryTile, 0);
+      } else if (head + 1 < shape.group) {
+        load_query_tile(buffer ^ 1, query_begin, 1);
+      }
+      copy_async_commit();
+      copy_async_wait<1>();
+      __syncthreads();
+      const T* q_tile = q_tiles + buffer * kQueryTile * kPitch;
+      const T* dout_tile = dout_tiles + buffer * kQueryTile * kPitch;
 
-    float s[kQueryTile / 8][4], dp[kQueryTile / 8][4];  // S^T, dP^T: the warp's 16 keys x 64 queries
-    warp_rows_times_queries<T, kD>(s, k_tile + warp * 16 * kPitch, q_tile);
-    warp_rows_times_queries<T, kD>(dp, v_tile + warp * 16 * kPitch, dout_tile);
-    if (visible.sees_all(i0, i0 + kQueryTile, j0, j0 + kKeys)) {
-      probabilities_and_score_grads<false>(s, dp, lse_tiles + t % 2 * kQueryTile, delta_tiles + t % 2 * kQueryTile,
-                                           scale_log2, visible, key0, i0);
-    } else {
-      probabilities_and_score_grads<true>(s, dp, lse_tiles + t % 2 * kQueryTile, delta_tiles + t % 2 * kQueryTile,
-                                          scale_log2, visible, key0, i0);
-    }
-    // dv += P^T dout and dk += dS^T q: P^T and dS^T are already A fragments.
+      float s[kQueryTile / 8][4], dp[kQueryTile / 8][4];  // S^T, dP^T: the warp's 16 keys x kQueryTile queries
+      warp_rows_times_queries<T, kD>(s, k_tile + key_warp * 16 * kPitch, q_tile);
+      warp_rows_times_queries<T, kD>(dp, v_tile + key_warp * 16 * kPitch, dout_tile);
+      if (visible.sees_all(i0, i0 + kQueryTile, j0, j0 + kKeys)) {
+        probabilities_and_score_grads<false, kQueryTile>(s, dp, lse_tiles + buffer * kQueryTile,
+                                                         delta_tiles + buffer * kQueryTile, scale_log2, visible, key0,
+                                                         i0);
+      } else {
+        probabilities_and_score_grads<true, kQueryTile>(s, dp, lse_tiles + buffer * kQueryTile,
+                                                        delta_tiles + buffer * kQueryTile, scale_log2, visible, key0,
+                                                        i0);
+      }
+      // dv += P^T dout and dk += dS^T q over the warp's columns: P^T and dS^T are already A fragments.
 #pragma unroll
-    for (int kq = 0; kq < kQueryTile / 16; ++kq) {
-      uint32_t a[4];
-      a_fragment_from_accumulators<T>(a, s[2 * kq], s[2 * kq + 1]);
-      multiply_slice<T, kD, kPitch>(dv, a, dout_tile + kq * 16 * kPitch);
-      a_fragment_from_accumulators<T>(a, dp[2 * kq], dp[2 * kq + 1]);
-      multiply_slice<T, kD, kPitch>(dk, a, q_tile + kq * 16 * kPitch);
-    }
-    stage_accumulators<T, kQueryTile>(score_grads + warp * 16 * kScorePitch, dp, 1.0f);
-    __syncthreads();  // all of dS^T is in shared memory; q, dout, lse, delta of buffer t % 2 are no longer read
+      for (int kq = 0; kq < kQueryTile / 16; ++kq) {
+        uint32_t a[4];
+        a_fragment_from_accumulators<T>(a, s[2 * kq], s[2 * kq + 1]);
+        multiply_slice<T, kColumns, kPitch>(dv, a, dout_tile + kq * 16 * kPitch + column0);
+        a_fragment_from_accumulators<T>(a, dp[2 * kq], dp[2 * kq + 1]);
+        multiply_slice<T, kColumns, kPitch>(dk, a, q_tile + kq * 16 * kPitch + column0);
+      }
+      if (column_part == 0) stage_accumulators<T, kQueryTile>(score_grads + key_warp * 16 * kScorePitch, dp, 1.0f);
+      __syncthreads();  // all of dS^T is in shared memory; q, dout, lse, delta of this buffer are no longer read
 
-    float dq[kDqColumns / 8][4] = {};
+      float dq[kDqColumns / 8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t a[4];
-      load_a_fragment_transposed<kScorePitch>(a, score_grads + kk * 16 * kScorePitch + dq_rows);
-      multiply_slice<T, kDqColumns, kPitch>(dq, a, k_tile + kk * 16 * kPitch + dq_column0);
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t a[4];
+        load_a_fragment_transposed<kScorePitch>(a, score_grads + kk * 16 * kScorePitch + dq_rows);
+        multiply_slice<T, kDqColumns, kPitch>(dq, a, k_tile + kk * 16 * kPitch + dq_column0);
+      }
+      add_to_dq<kDqColumns>(dq_accumulator, dq, i0 + dq_rows, dq_column0, lq, d);
+      // No barrier here: the next writes to score_grads come after the next step's first barrier.
     }
-    add_to_dq<kD, kDqColumns>(dq_accumulator, dq, i0 + dq_rows, dq_column0, lq);
-    // No barrier here: the next writes to score_grads come after the next iteration's first barrier.
+    q += head_rows;
+    grad_out += head_rows;
+    dq_accumulator += head_rows;
+    lse += lq;
+    delta += lq;
   }
 
-  // dk * scale and dv through the warp's own rows of the K and V tiles, for 16-byte stores.
+  // dk * scale and dv through the warps' own rows (and columns) of the K and V tiles, for 16-byte stores.
   __syncthreads();  // every warp is done reading K for dq
-  T* k_rows = k_tile + warp * 16 * kPitch;
-  T* v_rows = v_tile + warp * 16 * kPitch;
-  stage_accumulators<T, kD>(k_rows, dk, static_cast<float>(shape.scale));
-  stage_accumulators<T, kD>(v_rows, dv, 1.0f);
-  __syncwarp();
-  copy_rows_to_global<16, kD>(grad_k + bh * lk * kD, k_rows, j0 + warp * 16, lk);
-  copy_rows_to_global<16, kD>(grad_v + bh * lk * kD, v_rows, j0 + warp * 16, lk);
+  T* k_rows = k_tile + key_warp * 16 * kPitch;
+  T* v_rows = v_tile + key_warp * 16 * kPitch;
+  stage_accumulators<T, kColumns, kPitch>(k_rows + column0, dk, static_cast<float>(shape.scale));
+  stage_accumulators<T, kColumns, kPitch>(v_rows + column0, dv, 1.0f);
+  __syncthreads();  // the column parts of a row come from different warps
+  if (column_part == 0) copy_rows_to_global<16, kD>(grad_k + kv * lk * d, k_rows, j0 + key_warp * 16, lk, d);
+  if (column_part == Warps::kColumnParts - 1) {
+    copy_rows_to_global<16, kD>(grad_v + kv * lk * d, v_rows, j0 + key_warp * 16, lk, d);
+  }
 }
 
-// grad_q = scale * dq_accumulator, rounded to T; 4 values per thread (numel is a multiple of 16).
+// grad_q = scale * dq_accumulator, rounded to T; 4 values per thread (numel is a multiple of 8).
 template <typename T>
 __global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumulator, T* __restrict__ grad_q,
                                              int64_t numel, float scale) {
@@ -286,39 +347,36 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  const int64_t rows = shape.batch_heads * shape.query_length;
+  const int64_t rows = shape.batch_heads * shape.query_length, d = shape.head_dim;
+  const int64_t kv_heads = shape.batch_heads / shape.group;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     using A = Acc<T>;
-    dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
-      constexpr int kD = decltype(head_dim)::value;
+    dispatch_attention_tile(d, [&](auto tile_width) {
+      constexpr int kD = decltype(tile_width)::value;
       const T* dy = static_cast<const T*>(grad_out);
       const T* q_ = static_cast<const T*>(q);
       const T* k_ = static_cast<const T*>(k);
       const T* v_ = static_cast<const T*>(v);
       constexpr bool kTensorCores = !(std::is_same_v<T, float> || std::is_same_v<T, double>);
       A* dq_accumulator = static_cast<A*>(workspace);
-      A* delta = dq_accumulator + (kTensorCores ? rows * kD : 0);
+      A* delta = dq_accumulator + (kTensorCores ? rows * d : 0);
       using DeltaLayout = DeltaRows<T, kD>;
       attention_backward_delta_kernel<T, kD>
           <<<static_cast<unsigned>(ceil_div(rows, DeltaLayout::kRowsPerBlock)), DeltaLayout::kThreads, 0, s>>>(
-              dy, static_cast<const T*>(out), delta, rows);
+              dy, static_cast<const T*>(out), delta, rows, static_cast<int>(d));
       if constexpr (kTensorCores) {
-        // Head dim 128: 8 warps (128 keys a CTA) halve the dq atomics and the q, dout reloads per key,
-        // 2.99 ms against 3.48 ms with 4 for the kernel at (4, 16, 4096, 128) bf16 causal on an H100.
-        // Smaller head dims do more of their work per byte in those reloads' place, and 4 warps win
-        // (d 64: 1.71 against 1.75 ms; d 32: 1.01 against 1.15 ms).
-        constexpr int kWarps = kD == 128 ? 8 : 4;
-        constexpr int kBytes = attention_backward_shared_bytes<T, kD, kWarps>();
-        auto* kernel = attention_backward_tensor_core_kernel<T, kD, kWarps>;
+        constexpr int kBytes = attention_backward_shared_bytes<T, kD>();
+        auto* kernel = attention_backward_tensor_core_kernel<T, kD>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-        cudaMemsetAsync(dq_accumulator, 0, rows * kD * sizeof(float), s);
-        const auto blocks = static_cast<unsigned>(shape.batch_heads * ceil_div(shape.key_length, kWarps * 16));
-        kernel<<<blocks, kWarps * kWarpSize, kBytes, s>>>(shape, dy, q_, k_, v_, static_cast<const float*>(lse), delta,
-                                                          dq_accumulator, static_cast<T*>(grad_k), static_cast<T*>(grad_v));
+        cudaMemsetAsync(dq_accumulator, 0, rows * d * sizeof(float), s);
+        const auto blocks = static_cast<unsigned>(kv_heads * ceil_div(shape.key_length, BackwardWarps<kD>::kKeys));
+        kernel<<<blocks, BackwardWarps<kD>::kWarps * kWarpSize, kBytes, s>>>(
+            shape, dy, q_, k_, v_, static_cast<const float*>(lse), delta, dq_accumulator, static_cast<T*>(grad_k),
+            static_cast<T*>(grad_v));
         constexpr int kThreads = 256;
-        attention_backward_dq_kernel<T><<<static_cast<unsigned>(ceil_div(rows * kD, 4 * kThreads)), kThreads, 0, s>>>(
-            dq_accumulator, static_cast<T*>(grad_q), rows * kD, static_cast<float>(shape.scale));
+        attention_backward_dq_kernel<T><<<static_cast<unsigned>(ceil_div(rows * d, 4 * kThreads)), kThreads, 0, s>>>(
+            dq_accumulator, static_cast<T*>(grad_q), rows * d, static_cast<float>(shape.scale));
       } else {
         using Rows = SimtRows<kD>;
         const T* lse_ = static_cast<const T*>(lse);
@@ -326,9 +384,8 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
             <<<static_cast<unsigned>(shape.batch_heads * ceil_div(shape.query_length, Rows::kRowsPerBlock)),
                Rows::kThreads, 0, s>>>(shape, dy, q_, k_, v_, lse_, delta, static_cast<T*>(grad_q));
         attention_backward_dk_dv_simt_kernel<T, kD>
-            <<<static_cast<unsigned>(shape.batch_heads * ceil_div(shape.key_length, Rows::kRowsPerBlock)),
-               Rows::kThreads, 0, s>>>(shape, dy, q_, k_, v_, lse_, delta, static_cast<T*>(grad_k),
-                                       static_cast<T*>(grad_v));
+            <<<static_cast<unsigned>(kv_heads * ceil_div(shape.key_length, Rows::kRowsPerBlock)), Rows::kThreads, 0,
+               s>>>(shape, dy, q_, k_, v_, lse_, delta, static_cast<T*>(grad_k), static_cast<T*>(grad_v));
       }
     });
   });

@@ -13,12 +13,15 @@
 //   with the online softmax: a running max m, a running sum l and a running output, rescaled by
 //   exp(m_old - m_new) whenever a tile raises the max. So no seq x seq matrix is ever stored, and the
 //   backward recomputes P from the saved lse. The backward runs two passes, each writing its own
-//   outputs only (no atomics, deterministic): dq per query tile, then dk, dv per key tile. Masks are
+//   outputs only (no atomics, deterministic): dq per query tile, then dk, dv per key tile (with
+//   grouped-query attention, summed over the group's query heads in order). Masks are
 //   ranges (attention_mask.h), so invisible keys are never visited. Inner loops over head_dim are
 //   `omp simd` dot products and axpys; exp is the vectorisable one of cpu_common.h.
 //
 // Limits
-//   float32 (accumulating in float32, as the CUDA kernels do) and float64; head_dim up to 128.
+//   float32 (accumulating in float32, as the CUDA kernels do) and float64; any head_dim up to 256 (the
+//   loops run over the row as it is; the binding admits multiples of 8, as the CUDA kernels do); k and
+//   v may have 1 / group as many heads as q (grouped-query attention).
 //
 // Check
 //   python -m pytest tests -k "attention and cuda and cpu"
@@ -35,7 +38,7 @@ namespace {
 
 constexpr int64_t kQueryTile = 32;
 constexpr int64_t kKeyTile = 64;
-constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kMaxHeadDim = 256;  // the accumulator rows of a query tile: 32 x 256 x 8 bytes = 64 KB
 
 template <typename T>
 inline T dot(const T* __restrict a, const T* __restrict b, int64_t d) {
@@ -63,8 +66,8 @@ void attention_forward(const AttentionShape& shape, const T* q, const T* k, cons
     const int64_t bh = task / query_tiles, i0 = (task % query_tiles) * kQueryTile;
     const int64_t i1 = std::min(i0 + kQueryTile, lq);
     const T* q_bh = q + bh * lq * d;
-    const T* k_bh = k + bh * lk * d;
-    const T* v_bh = v + bh * lk * d;
+    const T* k_bh = k + bh / shape.group * lk * d;  // the kv head of this query head's group
+    const T* v_bh = v + bh / shape.group * lk * d;
     T acc[kQueryTile][kMaxHeadDim] = {};
     T row_max[kQueryTile], row_sum[kQueryTile] = {};
     std::fill(row_max, row_max + kQueryTile, -std::numeric_limits<T>::infinity());
@@ -140,7 +143,7 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
         const int64_t end = std::min(j0 + kKeyTile, visible.end_key(i));
         T* dq_row = dq + row * d;
         for (int64_t j = std::max(j0, visible.first_key(i)); j < end; ++j) {
-          const int64_t key = bh * lk + j;
+          const int64_t key = bh / shape.group * lk + j;
           const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
                                                   delta[row], scale, d);
           axpy(dq_row, g.ds * scale, k + key * d, d);
@@ -149,24 +152,28 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
     }
   }
 
-  // Pass 2: dk and dv, one task per (batch*head, key tile), streaming the query tiles that see it.
-  const int64_t key_tiles = (lk + kKeyTile - 1) / kKeyTile;
+  // Pass 2: dk and dv, one task per (batch*kv head, key tile), streaming the query tiles that see it,
+  // of each query head of its group in turn (one order: deterministic sums over the group).
+  const int64_t key_tiles = (lk + kKeyTile - 1) / kKeyTile, group = shape.group;
 #pragma omp parallel for schedule(dynamic)
-  for (int64_t task = 0; task < bhs * key_tiles; ++task) {
-    const int64_t bh = task / key_tiles, j0 = (task % key_tiles) * kKeyTile;
+  for (int64_t task = 0; task < bhs / group * key_tiles; ++task) {
+    const int64_t kv = task / key_tiles, j0 = (task % key_tiles) * kKeyTile;
     const int64_t j1 = std::min(j0 + kKeyTile, lk);
-    std::fill(dk + (bh * lk + j0) * d, dk + (bh * lk + j1) * d, T(0));
-    std::fill(dv + (bh * lk + j0) * d, dv + (bh * lk + j1) * d, T(0));
-    for (int64_t i0 = visible.first_query(j0) / kQueryTile * kQueryTile; i0 < visible.end_query(j1 - 1); i0 += kQueryTile) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t key = bh * lk + j;
-        const int64_t end = std::min(i0 + kQueryTile, visible.end_query(j));
-        for (int64_t i = std::max(i0, visible.first_query(j)); i < end; ++i) {
-          const int64_t row = bh * lq + i;
-          const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
-                                                  delta[row], scale, d);
-          axpy(dv + key * d, g.p, dout + row * d, d);
-          axpy(dk + key * d, g.ds * scale, q + row * d, d);
+    std::fill(dk + (kv * lk + j0) * d, dk + (kv * lk + j1) * d, T(0));
+    std::fill(dv + (kv * lk + j0) * d, dv + (kv * lk + j1) * d, T(0));
+    for (int64_t bh = kv * group; bh < (kv + 1) * group; ++bh) {
+      for (int64_t i0 = visible.first_query(j0) / kQueryTile * kQueryTile; i0 < visible.end_query(j1 - 1);
+           i0 += kQueryTile) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t key = kv * lk + j;
+          const int64_t end = std::min(i0 + kQueryTile, visible.end_query(j));
+          for (int64_t i = std::max(i0, visible.first_query(j)); i < end; ++i) {
+            const int64_t row = bh * lq + i;
+            const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
+                                                    delta[row], scale, d);
+            axpy(dv + key * d, g.p, dout + row * d, d);
+            axpy(dk + key * d, g.ds * scale, q + row * d, d);
+          }
         }
       }
     }
@@ -174,24 +181,29 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
 }
 
 // One new token per sequence over a static cache (attention_decode.cu's twin): its key and value
-// written at the last filled position, then the scores of the filled keys and their softmax-weighted
-// sum of values, one (sequence, head) per task.
+// written at the last filled position (first, once per kv head, so that every query head of a group
+// then reads them there), then the scores of the filled keys and their softmax-weighted sum of values,
+// one (sequence, head) per task.
 template <typename T>
 void attention_decode(const DecodeShape& shape, const T* q, const T* k_new, const T* v_new, T* k_cache, T* v_cache,
                       const int32_t* key_lengths, T* out) {
-  const int64_t d = shape.head_dim, tasks = shape.batch * shape.heads;
+  const int64_t d = shape.head_dim, tasks = shape.batch * shape.heads, kv_heads = shape.heads / shape.group;
   const T scale = static_cast<T>(shape.scale);
+  for (int64_t kv = 0; kv < shape.batch * kv_heads; ++kv) {
+    const int64_t sequence = kv / kv_heads;
+    const int64_t token = sequence * shape.kv_stride_batch + kv % kv_heads * shape.kv_stride_head;
+    const int64_t slot = (kv * shape.capacity + std::clamp<int64_t>(key_lengths[sequence], 1, shape.capacity) - 1) * d;
+    std::copy(k_new + token, k_new + token + d, k_cache + slot);
+    std::copy(v_new + token, v_new + token + d, v_cache + slot);
+  }
 #pragma omp parallel for schedule(static) if (tasks * shape.capacity * d >= kMinParallelElements)
   for (int64_t bh = 0; bh < tasks; ++bh) {
     const int64_t sequence = bh / shape.heads, head = bh % shape.heads;
-    const int64_t token = sequence * shape.q_stride_batch + head * shape.q_stride_head;
-    const T* query = q + token;
+    const T* query = q + sequence * shape.q_stride_batch + head * shape.q_stride_head;
     const int64_t filled = std::clamp<int64_t>(key_lengths[sequence], 1, shape.capacity);  // the new token is one
     const int64_t first = shape.window > 0 ? std::max<int64_t>(filled - shape.window, 0) : 0;
-    T* keys = k_cache + bh * shape.capacity * d;
-    T* values = v_cache + bh * shape.capacity * d;
-    std::copy(k_new + token, k_new + token + d, keys + (filled - 1) * d);
-    std::copy(v_new + token, v_new + token + d, values + (filled - 1) * d);
+    const T* keys = k_cache + bh / shape.group * shape.capacity * d;
+    const T* values = v_cache + bh / shape.group * shape.capacity * d;
     T* o = out + bh * d;
     T maximum = -std::numeric_limits<T>::infinity();
     for (int64_t j = first; j < filled; ++j) maximum = std::max(maximum, dot(query, keys + j * d, d) * scale);

@@ -17,6 +17,9 @@
 //                             softmax kernels use: (m, l, o) + (m', l', o') rescaled to max(m, m').
 //                             The group that draws position n - 1 reads the new key and value instead
 //                             of the cache, and writes them there for the steps after this one.
+//   Head dims: the block runs on a power-of-two tile kD >= head_dim (16 ... 256); lanes whose 16-byte
+//   pieces lie past head_dim load zeros and store nothing. Grouped-query attention: the block of query
+//   head h reads kv head h / group, and only the group's first block writes the new key and value.
 //
 // The one idea
 //   n is read from device memory: a CUDA graph freezes its launches' arguments at capture, so a count
@@ -28,9 +31,9 @@
 //   small is ~150 small kernels, so each one is a share of its time.
 //
 // Limits
-//   head_dim 16, 32, 64 or 128; q, k_new, v_new (B, H, 1, D) strided alike with their last dim
-//   contiguous (heads may be views of the fused projection; rows 16-byte aligned), caches contiguous
-//   (B, H, capacity, D), 16-byte aligned; key_lengths int32 on the GPU (clamped to [1, capacity]: the new
+//   head_dim a multiple of 8 up to 256; q (B, H, 1, D), k_new, v_new (B, Hkv, 1, D) strided alike, last
+//   dims contiguous (heads may be views of the fused projection; rows 16-byte aligned), caches contiguous
+//   (B, Hkv, capacity, D), 16-byte aligned; key_lengths int32 on the GPU (clamped to [1, capacity]: the new
 //   token is always there). float16, bfloat16, float32, float64
 //   (float64, the tests' precision, calls double exp, whose call frame spills 8-12 bytes; the others none).
 //
@@ -51,24 +54,31 @@ constexpr int kDecodeWarps = 4;
 template <typename T, int kD>
 constexpr int kValuesPerLane = kVecOf<T> * kWarpSize >= kD ? kVecOf<T> : kD / kWarpSize;
 
-// A lane's kValues consecutive values of a row, converted to the accumulator type, in 16-byte loads.
+// A lane's kValues consecutive values of a row, converted to the accumulator type, in 16-byte loads;
+// `in_row` of them lie inside the row (head_dim is a multiple of 8, so a pack is wholly in or out), the
+// rest read as zero.
 template <typename T, int kValues>
-__device__ __forceinline__ void load_row_part(const T* row, Acc<T> (&values)[kValues]) {
+__device__ __forceinline__ void load_row_part(const T* row, Acc<T> (&values)[kValues], int in_row) {
   constexpr int kVec = kVecOf<T>;
 #pragma unroll
   for (int pack = 0; pack < kValues / kVec; ++pack) {
-    const Pack<T, kVec> loaded = load_pack<T, kVec>(row + pack * kVec);
+    if (pack * kVec < in_row) {
+      const Pack<T, kVec> loaded = load_pack<T, kVec>(row + pack * kVec);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) values[pack * kVec + i] = to_acc(loaded.val[i]);
+      for (int i = 0; i < kVec; ++i) values[pack * kVec + i] = to_acc(loaded.val[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) values[pack * kVec + i] = Acc<T>(0);
+    }
   }
 }
 
 template <typename T, int kValues>
-__device__ __forceinline__ void copy_row_part(const T* from, T* to) {
+__device__ __forceinline__ void copy_row_part(const T* from, T* to, int in_row) {
   constexpr int kVec = kVecOf<T>;
 #pragma unroll
   for (int pack = 0; pack < kValues / kVec; ++pack) {
-    store_pack<T, kVec>(to + pack * kVec, load_pack<T, kVec>(from + pack * kVec));
+    if (pack * kVec < in_row) store_pack<T, kVec>(to + pack * kVec, load_pack<T, kVec>(from + pack * kVec));
   }
 }
 
@@ -106,26 +116,31 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kDecodeWarps * kWarpSize, 1)
 attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_new, const T* __restrict__ v_new,
                         T* __restrict__ k_cache, T* __restrict__ v_cache, const int32_t* __restrict__ key_lengths,
-                        T* __restrict__ out, int64_t heads, int64_t capacity,
-                        int64_t q_stride_batch, int64_t q_stride_head, int64_t window, Acc<T> scale) {
+                        T* __restrict__ out, DecodeShape shape) {
   using A = Acc<T>;
   constexpr int kValues = kValuesPerLane<T, kD>;
   constexpr int kGroup = kD / kValues;              // lanes per key
   constexpr int kKeysPerWarp = kWarpSize / kGroup;  // keys a warp visits at once
+  const int64_t heads = shape.heads, capacity = shape.capacity, window = shape.window, d = shape.head_dim;
   const int64_t sequence_head = blockIdx.x, sequence = sequence_head / heads, head = sequence_head % heads;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int dim = (lane % kGroup) * kValues;  // this lane's first dim
+  const int in_row = static_cast<int>(d) - dim;  // how many of its kValues dims the row has (<= 0: none)
 
-  const int64_t token = sequence * q_stride_batch + head * q_stride_head + dim;
+  const int64_t token = sequence * shape.q_stride_batch + head * shape.q_stride_head + dim;
+  const int64_t kv_token = sequence * shape.kv_stride_batch + head / shape.group * shape.kv_stride_head + dim;
   A query[kValues];
-  load_row_part<T, kValues>(q + token, query);
+  load_row_part<T, kValues>(q + token, query, in_row);
+  const A scale = static_cast<A>(shape.scale);
 #pragma unroll
   for (int i = 0; i < kValues; ++i) query[i] *= scale;
 
   const int64_t filled = min(max(int64_t{key_lengths[sequence]}, int64_t{1}), capacity);  // the new token is one
   const int64_t first = window > 0 ? max(filled - window, int64_t{0}) : 0;
-  T* keys = k_cache + sequence_head * capacity * kD + dim;
-  T* values = v_cache + sequence_head * capacity * kD + dim;
+  // The kv head of this query head's group: (sequence, head / group) = sequence_head / group.
+  T* keys = k_cache + sequence_head / shape.group * capacity * d + dim;
+  T* values = v_cache + sequence_head / shape.group * capacity * d + dim;
+  const bool writes_new_token = head % shape.group == 0;  // one block of the group stores it
 
   DecodeState<A, kValues> state{A(-INFINITY), A(0), {}};
   // The loop bound is the warp's, so every lane reaches the shuffles; a group past the last key adds
@@ -137,12 +152,12 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_new, co
     const bool new_token = key == filled - 1;  // from the projection, not (yet) the cache
     A k_values[kValues] = {}, v_values[kValues] = {};
     if (visible) {
-      load_row_part<T, kValues>(new_token ? k_new + token : keys + key * kD, k_values);
-      load_row_part<T, kValues>(new_token ? v_new + token : values + key * kD, v_values);
+      load_row_part<T, kValues>(new_token ? k_new + kv_token : keys + key * d, k_values, in_row);
+      load_row_part<T, kValues>(new_token ? v_new + kv_token : values + key * d, v_values, in_row);
     }
-    if (new_token) {
-      copy_row_part<T, kValues>(k_new + token, keys + key * kD);
-      copy_row_part<T, kValues>(v_new + token, values + key * kD);
+    if (new_token && writes_new_token) {
+      copy_row_part<T, kValues>(k_new + kv_token, keys + key * d, in_row);
+      copy_row_part<T, kValues>(v_new + kv_token, values + key * d, in_row);
     }
     A partial = 0;
 #pragma unroll
@@ -169,9 +184,11 @@ attention_decode_kernel(const T* __restrict__ q, const T* __restrict__ k_new, co
 #pragma unroll
   for (int other = 1; other < kDecodeWarps; ++other) merge_into(state, warp_states[other][lane]);
   const A inverse_sum = A(1) / state.sum;  // > 0: the new key is always visible
-  T* out_row = out + sequence_head * kD + dim;
+  T* out_row = out + sequence_head * d + dim;
 #pragma unroll
-  for (int i = 0; i < kValues; ++i) out_row[i] = from_acc<T>(state.out[i] * inverse_sum);
+  for (int i = 0; i < kValues; ++i) {
+    if (i < in_row) out_row[i] = from_acc<T>(state.out[i] * inverse_sum);
+  }
 }
 
 }  // namespace
@@ -180,13 +197,13 @@ void launch_attention_decode(DType dtype, const DecodeShape& shape, const void* 
                              void* k_cache, void* v_cache, const int32_t* key_lengths, void* out, void* stream) {
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = decltype(type_tag);
-    dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
-      constexpr int kD = decltype(head_dim)::value;
+    // Power-of-two tiles: a group of lanes per key must be a power of two for its shuffles.
+    dispatch_tile_width<16, 32, 64, 128, 256>(shape.head_dim, [&](auto tile_width) {
+      constexpr int kD = decltype(tile_width)::value;
       attention_decode_kernel<T, kD><<<static_cast<unsigned>(shape.batch * shape.heads), kDecodeWarps * kWarpSize, 0,
                                        static_cast<cudaStream_t>(stream)>>>(
           static_cast<const T*>(q), static_cast<const T*>(k_new), static_cast<const T*>(v_new), static_cast<T*>(k_cache),
-          static_cast<T*>(v_cache), key_lengths, static_cast<T*>(out), shape.heads, shape.capacity, shape.q_stride_batch, shape.q_stride_head, shape.window,
-          static_cast<Acc<T>>(shape.scale));
+          static_cast<T*>(v_cache), key_lengths, static_cast<T*>(out), shape);
     });
   });
 }

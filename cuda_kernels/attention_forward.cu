@@ -6,8 +6,10 @@
 // Kernels
 //   attention_forward_tensor_core_kernel<T, kD, kWarps>   float16 / bfloat16, FlashAttention-2's
 //       plan on mma.sync: a CTA owns kWarps * 16 queries, each warp 16 of them; q's fragments stay
-//       in registers; K and V tiles of 64 keys stream through shared memory, double-buffered with
-//       cp.async (tile j + 1 loads while tile j is multiplied); S and P never leave registers
+//       in registers (up to tile width 128; wider tiles re-read them from shared memory, see
+//       kQueryInRegisters); K and V tiles of 64 keys (32 at tile width 256) stream through shared
+//       memory, double-buffered with cp.async (tile j + 1 loads while tile j is multiplied); S and P
+//       never leave registers
 //   float32 / float64 run attention_forward_simt_kernel (attention_simt.cuh), the same algorithm on
 //       FMA units
 //
@@ -26,9 +28,14 @@
 //   1.08 ms, 254 TFLOP/s: 0.83x the speed of PyTorch SDPA's flash backend (0.90 ms), 11x level 1
 //   (12.0 ms). Sliding window 1024 at seq 16384 (batch 1): 0.56 ms against 3.86 ms fully causal.
 //
+// Head dims and heads
+//   kD is a tile width (common.cuh: dispatch_attention_tile): a head dim d <= kD runs on the smallest
+//   tile that holds it, its rows zero-filled past d on the way into shared memory and stored only up
+//   to d (tensor_core.cuh). Grouped-query attention: query head bh reads kv head bh / group.
+//
 // Limits
-//   head_dim 16, 32, 64, 128 (one instantiation each); any lengths, Lq <= Lk when causal; (batch *
-//   heads) * ceil(Lq / 64) < 2^31 CTAs. q, k, v, out 16-byte aligned (ops.cpp checks). lse in float32
+//   head_dim a multiple of 8 up to 256 (tile widths 16, 32, 64, 96, 128, 192, 256); any lengths, Lq <= Lk
+//   when causal; (batch * heads) * ceil(Lq / 64) < 2^31 CTAs. q, k, v, out 16-byte aligned (ops.cpp checks). lse in float32
 //   (float64 for float64 inputs).
 //
 // Check
@@ -40,28 +47,48 @@
 
 namespace kernel_ladder {
 
-constexpr int kKeyTile = 64;  // keys per shared-memory tile of the tensor-core kernels
+// Keys per shared-memory tile of the tensor-core kernel. At tile width 256 the 16 x 64 score tile's 32
+// registers pushed ptxas past 255 registers (164 bytes of spills, sm_90); 32 keys halve them, and the
+// K and V buffers with them: (64 + 4 x 32) rows x 528 bytes = 99 KB of shared memory, two CTAs an SM.
+template <int kD> constexpr int kKeyTileOf = kD > 192 ? 32 : 64;
 
 // Shared memory of the tensor-core forward: q (kWarps * 16 rows), then two K and two V buffers.
 template <typename T, int kD, int kWarps>
 constexpr int attention_forward_shared_bytes() {
-  return (kWarps * 16 + 4 * kKeyTile) * kPaddedPitch<kD> * static_cast<int>(sizeof(T));
+  return (kWarps * 16 + 4 * kKeyTileOf<kD>) * kPaddedPitch<kD> * static_cast<int>(sizeof(T));
 }
 
-// One 16 x 64 tile of scores for one warp: s = q k^T for the warp's 16 queries and the tile's keys.
+// Up to tile width 128 a warp loads its q fragments once and keeps them (kD / 4 registers). At 192
+// and 256 they would take 48-64 registers beside a 96-128-register output accumulator and push the
+// kernel past 255 registers into spills, so there the warp re-reads them from its rows of the q tile
+// (ldmatrix, shared memory) for every key tile instead: one more shared-memory read per k fragment.
+template <int kD> constexpr bool kQueryInRegisters = kD <= 128;
+template <int kD> constexpr int kQueryFragments = kQueryInRegisters<kD> ? kD / 16 : 1;
+
+// One 16 x kKeyTileOf<kD> tile of scores for one warp: s = q k^T for the warp's 16 queries and the tile's keys
+// (q from the fragments held in registers, or from q_rows, the warp's rows of the q tile).
 template <typename T, int kD>
-__device__ __forceinline__ void tile_scores(float (&s)[kKeyTile / 8][4], const uint32_t (&q)[kD / 16][4], const T* k_tile) {
+__device__ __forceinline__ void tile_scores(float (&s)[kKeyTileOf<kD> / 8][4], const uint32_t (&q)[kQueryFragments<kD>][4],
+                                            const T* q_rows, const T* k_tile) {
 #pragma unroll
-  for (int n = 0; n < kKeyTile / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-  for (int d = 0; d < kD / 16; ++d) multiply_slice_by_transpose<T, kKeyTile, kPaddedPitch<kD>>(s, q[d], k_tile + d * 16);
+  for (int d = 0; d < kD / 16; ++d) {
+    if constexpr (kQueryInRegisters<kD>) {
+      multiply_slice_by_transpose<T, kKeyTileOf<kD>, kPaddedPitch<kD>>(s, q[d], k_tile + d * 16);
+    } else {
+      uint32_t a[4];
+      load_a_fragment<kPaddedPitch<kD>>(a, q_rows + d * 16);
+      multiply_slice_by_transpose<T, kKeyTileOf<kD>, kPaddedPitch<kD>>(s, a, k_tile + d * 16);
+    }
+  }
 }
 
 // The online softmax for one tile: s becomes P = 2^(s * scale_log2 - m) with m the new running max
 // (in log2 units) of each of the thread's two rows; o and the partial row sums are rescaled to it.
 // kMasked: pairs the mask hides get s = -inf first (row0 = the query of the thread's first row).
 template <bool kMasked, int kD>
-__device__ __forceinline__ void online_softmax(float (&s)[kKeyTile / 8][4], float (&o)[kD / 8][4], float (&row_max)[2],
+__device__ __forceinline__ void online_softmax(float (&s)[kKeyTileOf<kD> / 8][4], float (&o)[kD / 8][4], float (&row_max)[2],
                                                float (&row_sum)[2], float scale_log2, const VisibleKeys& visible,
                                                int64_t row0, int64_t key0) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -69,7 +96,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTile / 8][4], floa
   for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the warp's 16
     float tile_max = row_max[half];
 #pragma unroll
-    for (int n = 0; n < kKeyTile / 8; ++n) {
+    for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& score = s[n][2 * half + e];
@@ -93,7 +120,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTile / 8][4], floa
       o[d][2 * half + 1] *= rescale;
     }
 #pragma unroll
-    for (int n = 0; n < kKeyTile / 8; ++n) {
+    for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& p = s[n][2 * half + e];
@@ -104,11 +131,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTile / 8][4], floa
   }
 }
 
-// o += P v: P (16 x 64, in registers) rounded to T as the A operand, v's tile as B via ldmatrix.trans.
+// o += P v: P (16 x kKeyTileOf<kD>, in registers) rounded to T as the A operand, v's tile as B via ldmatrix.trans.
 template <typename T, int kD>
-__device__ __forceinline__ void accumulate_pv(float (&o)[kD / 8][4], const float (&p)[kKeyTile / 8][4], const T* v_tile) {
+__device__ __forceinline__ void accumulate_pv(float (&o)[kD / 8][4], const float (&p)[kKeyTileOf<kD> / 8][4],
+                                              const T* v_tile) {
 #pragma unroll
-  for (int k = 0; k < kKeyTile / 16; ++k) {
+  for (int k = 0; k < kKeyTileOf<kD> / 16; ++k) {
     uint32_t a[4];
     a_fragment_from_accumulators<T>(a, p[2 * k], p[2 * k + 1]);
     multiply_slice<T, kD, kPaddedPitch<kD>>(o, a, v_tile + k * 16 * kPaddedPitch<kD>);
@@ -120,6 +148,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize)
 attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
                                      const T* __restrict__ v, T* __restrict__ out, float* __restrict__ lse) {
   constexpr int kQueries = kWarps * 16, kThreads = kWarps * kWarpSize, kPitch = kPaddedPitch<kD>;
+  constexpr int kKeyTile = kKeyTileOf<kD>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* q_tile = reinterpret_cast<T*>(shared_bytes);
   T* k_tiles = q_tile + kQueries * kPitch;       // two buffers of kKeyTile rows
@@ -129,12 +158,13 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   // it the last query tiles (most keys when causal) start first, so the short ones fill the tail.
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, kQueries);
+  const int d = static_cast<int>(shape.head_dim);  // <= kD: the row length in global memory
   const int64_t bh = blockIdx.x / query_tiles;
   const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * kQueries;
   const int64_t i1 = min(i0 + kQueries, lq);
-  q += bh * lq * kD;
-  k += bh * lk * kD;
-  v += bh * lk * kD;
+  q += bh * lq * d;
+  k += bh / shape.group * lk * d;  // the kv head of this query head's group
+  v += bh / shape.group * lk * d;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row0 = i0 + warp * 16 + lane / 4;  // the thread's rows: row0 and row0 + 8
 
@@ -142,16 +172,19 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   const int64_t key_begin = visible.first_key(i0) / kKeyTile * kKeyTile, key_end = visible.end_key(i1 - 1);
   const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kKeyTile));
 
-  load_tile_async<kQueries, kD, kThreads>(q_tile, q, i0, lq);
+  load_tile_async<kQueries, kD, kThreads>(q_tile, q, i0, lq, d);
   copy_async_commit();
-  load_tile_async<kKeyTile, kD, kThreads>(k_tiles, k, key_begin, lk);
-  load_tile_async<kKeyTile, kD, kThreads>(v_tiles, v, key_begin, lk);
+  load_tile_async<kKeyTile, kD, kThreads>(k_tiles, k, key_begin, lk, d);
+  load_tile_async<kKeyTile, kD, kThreads>(v_tiles, v, key_begin, lk, d);
   copy_async_commit();
   copy_async_wait<1>();  // q has landed (the first K, V tile may still be in flight)
   __syncthreads();
-  uint32_t q_fragments[kD / 16][4];
+  const T* q_rows = q_tile + warp * 16 * kPitch;
+  uint32_t q_fragments[kQueryFragments<kD>][4];
+  if constexpr (kQueryInRegisters<kD>) {
 #pragma unroll
-  for (int d = 0; d < kD / 16; ++d) load_a_fragment<kPitch>(q_fragments[d], q_tile + warp * 16 * kPitch + d * 16);
+    for (int slice = 0; slice < kD / 16; ++slice) load_a_fragment<kPitch>(q_fragments[slice], q_rows + slice * 16);
+  }
 
   float o[kD / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
@@ -159,8 +192,8 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   for (int t = 0; t < tiles; ++t) {
     const int64_t key0 = key_begin + int64_t{t} * kKeyTile;
     if (t + 1 < tiles) {  // prefetch tile t + 1 into the other buffer, freed by the barrier that ended t - 1
-      load_tile_async<kKeyTile, kD, kThreads>(k_tiles + (t + 1) % 2 * kKeyTile * kPitch, k, key0 + kKeyTile, lk);
-      load_tile_async<kKeyTile, kD, kThreads>(v_tiles + (t + 1) % 2 * kKeyTile * kPitch, v, key0 + kKeyTile, lk);
+      load_tile_async<kKeyTile, kD, kThreads>(k_tiles + (t + 1) % 2 * kKeyTile * kPitch, k, key0 + kKeyTile, lk, d);
+      load_tile_async<kKeyTile, kD, kThreads>(v_tiles + (t + 1) % 2 * kKeyTile * kPitch, v, key0 + kKeyTile, lk, d);
     }
     copy_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile t
     copy_async_wait<1>();
@@ -168,7 +201,7 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
     const T* k_tile = k_tiles + t % 2 * kKeyTile * kPitch;
     const T* v_tile = v_tiles + t % 2 * kKeyTile * kPitch;
     float s[kKeyTile / 8][4];
-    tile_scores<T, kD>(s, q_fragments, k_tile);
+    tile_scores<T, kD>(s, q_fragments, q_rows, k_tile);
     if (visible.sees_all(i0, i1, key0, key0 + kKeyTile)) {
       online_softmax<false, kD>(s, o, row_max, row_sum, scale_log2, visible, row0, key0);
     } else {
@@ -187,15 +220,15 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
     if (lane % 4 == 0 && row < lq) lse[bh * lq + row] = (row_max[half] + __log2f(row_sum[half])) * kLn2;
     const float inverse_sum = 1.0f / row_sum[half];
 #pragma unroll
-    for (int d = 0; d < kD / 8; ++d) {
-      o[d][2 * half] *= inverse_sum;
-      o[d][2 * half + 1] *= inverse_sum;
+    for (int n = 0; n < kD / 8; ++n) {
+      o[n][2 * half] *= inverse_sum;
+      o[n][2 * half + 1] *= inverse_sum;
     }
   }
   T* warp_rows = q_tile + warp * 16 * kPitch;
   stage_accumulators<T, kD>(warp_rows, o, 1.0f);
   __syncwarp();
-  copy_rows_to_global<16, kD>(out + bh * lq * kD, warp_rows, i0 + warp * 16, lq);
+  copy_rows_to_global<16, kD>(out + bh * lq * d, warp_rows, i0 + warp * 16, lq, d);
 }
 
 // --- launcher ------------------------------------------------------------------------------------
@@ -205,8 +238,8 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
   const auto s = static_cast<cudaStream_t>(stream);
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
-      constexpr int kD = decltype(head_dim)::value;
+    dispatch_attention_tile(shape.head_dim, [&](auto tile_width) {
+      constexpr int kD = decltype(tile_width)::value;
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
         using Rows = SimtRows<kD>;
         const auto blocks = static_cast<unsigned>(shape.batch_heads * ceil_div(shape.query_length, Rows::kRowsPerBlock));
@@ -216,6 +249,8 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
       } else {
         // 4 warps (64 queries a CTA): 1.08 ms against 1.20 ms with 8 at (4, 16, 4096, 128) bf16 causal on
         // an H100; two CTAs of 4 warps share an SM (230 registers a thread, 85 KB of shared memory each).
+        // At tile width 256 a CTA takes (64 + 4 * 64) rows x 528 bytes = 165 KB (of the 227 KB a block
+        // may have): one CTA an SM.
         constexpr int kWarps = 4;
         constexpr int kBytes = attention_forward_shared_bytes<T, kD, kWarps>();
         auto* kernel = attention_forward_tensor_core_kernel<T, kD, kWarps>;

@@ -7,7 +7,8 @@
 //   decode_attention(q, k_new, v_new, k_cache!, v_cache!, key_lengths, window, scale) -> out  (inference only;
 //                    writes the new key and value into the caches)
 //
-// q is (B, H, Lq, D), k and v (B, H, Lk, D); query i sits at key position i + Lk - Lq. lse, the log of
+// q is (B, H, Lq, D), k and v (B, Hkv, Lk, D) with H a multiple of Hkv (grouped-query attention: query
+// head h reads kv head h / (H / Hkv)); D a multiple of 8 up to 256; query i sits at key position i + Lk - Lq. lse, the log of
 // each softmax's denominator (B, H, Lq, in the accumulator type), is an output so that the backward can
 // recompute the probabilities tile by tile instead of storing them; autograd marks it
 // non-differentiable and the Python function returns out.
@@ -19,20 +20,35 @@
 namespace kernel_ladder {
 namespace {
 
-// q (B, H, Lq, D), k and v (B, H, Lk, D), one dtype and device; D one of the kernels' tile widths;
-// causal attention needs Lq <= Lk (queries are aligned to the end of the keys).
+// The head dims the kernels run (cuda_kernels/limits.py states the same rule for Python).
+void check_head_dim(const char* op, const c10::SymInt& d) {
+  TORCH_CHECK_VALUE(d % 8 == 0 && d >= 8 && d <= 256, "cuda_kernels::", op, ": head_dim ", d,
+                    " is not supported by the CUDA attention kernel (supported: multiples of 8 from 8 to 256)");
+}
+
+// Heads of q (or of the new token's query) that share each kv head: the group of grouped-query attention.
+void check_heads_fit(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const c10::SymInt heads = q.sym_size(1), kv_heads = k.dim() == 4 ? k.sym_size(1) : c10::SymInt(-1);
+  TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4 && k.sym_sizes() == v.sym_sizes() && k.sym_size(0) == q.sym_size(0) &&
+                        k.sym_size(3) == q.sym_size(3) && (heads == kv_heads || (kv_heads > 0 && heads % kv_heads == 0)),
+                    "cuda_kernels::", op, ": shapes do not fit together: q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
+                    v.sym_sizes(), " (q's heads must be a multiple of k's and v's)");
+}
+
+// q (B, H, Lq, D), k and v (B, Hkv, Lk, D), one dtype and device, H a multiple of Hkv; D a multiple of 8
+// up to 256; causal attention needs Lq <= Lk (queries are aligned to the end of the keys).
 void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      int64_t window) {
   TORCH_CHECK_VALUE(q.dim() == 4, "cuda_kernels::", op, ": q must be (batch, heads, seq, head_dim), got shape ", q.sym_sizes());
-  const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), lq = q.sym_size(2), d = q.sym_size(3);
-  const c10::SymInt lk = k.dim() == 4 ? k.sym_size(2) : c10::SymInt(-1);
-  check_argument(op, "k", k, q, q.scalar_type(), {batch, heads, lk, d});
-  check_argument(op, "v", v, q, q.scalar_type(), {batch, heads, lk, d});
-  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
-                    " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
+  check_heads_fit(op, q, k, v);
+  const c10::SymInt batch = q.sym_size(0), lq = q.sym_size(2), d = q.sym_size(3);
+  const c10::SymInt lk = k.sym_size(2);
+  check_argument(op, "k", k, q, q.scalar_type(), k.sym_sizes());
+  check_argument(op, "v", v, q, q.scalar_type(), k.sym_sizes());
+  check_head_dim(op, d);
   TORCH_CHECK_VALUE(!causal || lq <= lk, "cuda_kernels::", op, ": causal attention with ", lq, " queries but only ", lk,
                     " keys (queries are aligned to the end of the keys)");
-  TORCH_CHECK_VALUE(lk >= 1 || lq == 0 || batch * heads == 0, "cuda_kernels::", op, ": ", lq,
+  TORCH_CHECK_VALUE(lk >= 1 || lq == 0 || batch * q.sym_size(1) == 0, "cuda_kernels::", op, ": ", lq,
                     " queries and no key to attend to");
   TORCH_CHECK_VALUE(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
   TORCH_CHECK_VALUE(window == 0 || causal, "cuda_kernels::", op, ": a sliding window (", window,
@@ -50,7 +66,8 @@ void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> t
 }
 
 AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window, double scale) {
-  return AttentionShape{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), causal, window, scale};
+  const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
+  return AttentionShape{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), group, causal, window, scale};
 }
 
 TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
@@ -165,21 +182,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   TORCH_CHECK_VALUE(q.dim() == 4 && q.sym_size(2) == 1, "cuda_kernels::", op,
                     ": q must be (batch, heads, 1, head_dim), got shape ", q.sym_sizes());
   const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), d = q.sym_size(3);
-  check_argument(op, "k_new", k_new, q, q.scalar_type(), q.sym_sizes());
-  check_argument(op, "v_new", v_new, q, q.scalar_type(), q.sym_sizes());
-  const c10::SymInt capacity = k_cache.dim() == 4 ? k_cache.sym_size(2) : c10::SymInt(-1);
-  check_argument(op, "k_cache", k_cache, q, q.scalar_type(), {batch, heads, capacity, d});
-  check_argument(op, "v_cache", v_cache, q, q.scalar_type(), {batch, heads, capacity, d});
+  check_heads_fit(op, q, k_cache, v_cache);
+  const c10::SymInt kv_heads = k_cache.sym_size(1), capacity = k_cache.sym_size(2);
+  check_argument(op, "k_new", k_new, q, q.scalar_type(), {batch, kv_heads, 1, d});
+  check_argument(op, "v_new", v_new, q, q.scalar_type(), {batch, kv_heads, 1, d});
+  check_argument(op, "k_cache", k_cache, q, q.scalar_type(), k_cache.sym_sizes());
+  check_argument(op, "v_cache", v_cache, q, q.scalar_type(), k_cache.sym_sizes());
   check_argument(op, "key_lengths", key_lengths, q, at::kInt, {batch});
-  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128, "cuda_kernels::", op, ": head_dim ", d,
-                    " is not supported by the CUDA attention kernel (supported: 16, 32, 64, 128)");
+  check_head_dim(op, d);
   TORCH_CHECK_VALUE(window >= 0, "cuda_kernels::", op, ": window must be >= 0 (0: none), got ", window);
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "cuda_kernels::", op,
                     ": the caches are written in place, so they must be contiguous");
   at::Tensor out = at::empty_symint({batch, heads, 1, d}, q.options());
   if (q.is_meta() || out.numel() == 0) return out;
   check_aligned_16(op, {&k_cache, &v_cache});
-  // q, k_new and v_new are usually the heads of the fused projection, strided alike in batch and head:
+  // q, k_new and v_new are usually the heads of the fused projection (k_new and v_new strided alike):
   // read in place when their rows are 16-byte aligned (always, for a projection of whole heads), else
   // all three copied once.
   const auto aligned_rows = [](const at::Tensor& t) {
@@ -187,11 +204,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
     return t.stride(3) == 1 && t.stride(0) % pack == 0 && t.stride(1) % pack == 0 &&
            reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
-  const bool in_place = aligned_rows(q) && aligned_rows(k_new) && aligned_rows(v_new) && k_new.strides() == q.strides() &&
-                        v_new.strides() == q.strides();
+  const bool in_place = aligned_rows(q) && aligned_rows(k_new) && aligned_rows(v_new) && v_new.strides() == k_new.strides();
   const at::Tensor query = in_place ? q : q.contiguous(), key = in_place ? k_new : k_new.contiguous(),
                    value = in_place ? v_new : v_new.contiguous(), lengths = key_lengths.contiguous();
-  const DecodeShape shape{q.size(0), q.size(1), k_cache.size(2), q.size(3), query.stride(0), query.stride(1), window, scale};
+  const int64_t group = k_cache.size(1) > 0 ? q.size(1) / k_cache.size(1) : 1;
+  const DecodeShape shape{q.size(0), q.size(1), group, k_cache.size(2), q.size(3), query.stride(0), query.stride(1),
+                          key.stride(0), key.stride(1), window, scale};
   run_on_device_of(
       query,
       [&](void* stream) {

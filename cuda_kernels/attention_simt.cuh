@@ -8,16 +8,19 @@
 //
 // Kernels
 //   attention_forward_simt_kernel          a group of threads per query row: q and the running output
-//                                          in registers; K, V tiles of 16 keys in shared memory
+//                                          in registers; K, V tiles of 16 keys (8 past tile width 128)
+//                                          in shared memory
 //   attention_backward_dq_simt_kernel      per query rows, streaming the keys they see
 //   attention_backward_dk_dv_simt_kernel   per key rows, streaming the queries that see them
 //   Two backward passes that each write only their own outputs: no atomics, deterministic, as the C++
-//   CPU twin (attention_cpu.cpp).
+//   CPU twin (attention_cpu.cpp). With grouped-query attention the dk/dv pass of a kv head walks the
+//   queries of every query head of its group in turn.
 //
 // Limits
-//   head_dim 16, 32, 64, 128; as attention_forward.cu otherwise. A lesson in the algorithm, not a rival
-//   to tuned kernels: forward at (1, 16, 2048, 64) float32 causal takes 0.98 ms on an H100, PyTorch's
-//   SDPA 0.43 ms.
+//   head_dim a multiple of 8 up to 256, on the tile widths of attention_forward.cu (rows zero-filled past
+//   head_dim in registers and shared memory, stored only up to it); as attention_forward.cu otherwise. A
+//   lesson in the algorithm, not a rival to tuned kernels: forward at (1, 16, 2048, 64) float32 causal takes
+//   0.98 ms on an H100, PyTorch's SDPA 0.43 ms.
 #pragma once
 
 #include "attention_mask.h"
@@ -30,15 +33,19 @@ namespace kernel_ladder {
 // part + kThreadsPerRow, ... (kColumns of them). A group then reads a row of a shared tile in one
 // conflict-free sweep of consecutive addresses, and the groups of a warp read the same addresses,
 // which shared memory serves as a broadcast. Rows of other tiles stream through shared memory in
-// steps of kSimtTileRows.
+// steps of kTileRows.
 template <int kD>
 struct SimtRows {
-  static constexpr int kColumns = 16;
-  static constexpr int kThreadsPerRow = kD / kColumns;  // 1, 2, 4, 8 for head dims 16 ... 128
+  // kD / 16 rounded up to a power of two (the shuffles of row_group_sum need one): 1, 2, 4, 8, 8, 16, 16
+  // threads for tile widths 16, 32, 64, 96, 128, 192, 256, so that a thread holds at most 16 columns.
+  static constexpr int kThreadsPerRow = kD <= 16 ? 1 : kD <= 32 ? 2 : kD <= 64 ? 4 : kD <= 128 ? 8 : 16;
+  static constexpr int kColumns = kD / kThreadsPerRow;  // 16, or 12 at 96 and 192
   static constexpr int kThreads = 128;
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
+  // Rows of the other side per shared tile: two tiles of 16 x 128 doubles are 32 KB, of the 48 KB of
+  // static shared memory a block may have; past 128 columns a tile takes 8 rows, to stay there.
+  static constexpr int kTileRows = kD <= 128 ? 16 : 8;
 };
-constexpr int kSimtTileRows = 16;
 
 // Sum over the kGroup adjacent lanes that share a row (kGroup a power of two, at most 32).
 template <int kGroup, typename A>
@@ -48,22 +55,25 @@ __device__ __forceinline__ A row_group_sum(A value) {
   return value;
 }
 
-// This thread's columns of row `row` of a (rows, kD) matrix, in the accumulator type; zeros past `rows`.
+// This thread's columns of row `row` of a (rows, d) matrix, in the accumulator type; zeros past `rows`
+// and in the tile's columns past d.
 template <int kD, typename T>
 __device__ __forceinline__ void load_row_part(Acc<T> (&values)[SimtRows<kD>::kColumns], const T* matrix, int64_t row,
-                                              int64_t rows, int part) {
+                                              int64_t rows, int d, int part) {
 #pragma unroll
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) {
-    values[c] = row < rows ? to_acc(matrix[row * kD + part + c * SimtRows<kD>::kThreadsPerRow]) : Acc<T>(0);
+    const int column = part + c * SimtRows<kD>::kThreadsPerRow;
+    values[c] = row < rows && column < d ? to_acc(matrix[row * d + column]) : Acc<T>(0);
   }
 }
 
 template <int kD, typename T>
 __device__ __forceinline__ void store_row_part(T* matrix, int64_t row, const Acc<T> (&values)[SimtRows<kD>::kColumns],
-                                               Acc<T> scale, int part) {
+                                               Acc<T> scale, int d, int part) {
 #pragma unroll
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) {
-    matrix[row * kD + part + c * SimtRows<kD>::kThreadsPerRow] = from_acc<T>(values[c] * scale);
+    const int column = part + c * SimtRows<kD>::kThreadsPerRow;
+    if (column < d) matrix[row * d + column] = from_acc<T>(values[c] * scale);
   }
 }
 
@@ -83,51 +93,52 @@ __device__ __forceinline__ void add_row_part(A (&values)[SimtRows<kD>::kColumns]
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) values[c] += weight * tile[row * kD + part + c * SimtRows<kD>::kThreadsPerRow];
 }
 
-// Rows [row0, row0 + kSimtTileRows) of a (rows, kD) matrix into a shared tile, in the accumulator
-// type, zeros past `rows`; the whole block takes part (coalesced: consecutive threads, consecutive
-// elements).
+// Rows [row0, row0 + kTileRows) of a (rows, d) matrix into a shared tile kD wide, in the accumulator
+// type, zeros past `rows` and past column d; the whole block takes part (coalesced: consecutive
+// threads, consecutive elements of a row).
 template <int kD, typename T>
-__device__ __forceinline__ void load_simt_tile(Acc<T>* tile, const T* matrix, int64_t row0, int64_t rows) {
-  for (int e = static_cast<int>(threadIdx.x); e < kSimtTileRows * kD; e += static_cast<int>(blockDim.x)) {
-    tile[e] = row0 + e / kD < rows ? to_acc(matrix[row0 * kD + e]) : Acc<T>(0);
+__device__ __forceinline__ void load_simt_tile(Acc<T>* tile, const T* matrix, int64_t row0, int64_t rows, int d) {
+  for (int e = static_cast<int>(threadIdx.x); e < SimtRows<kD>::kTileRows * kD; e += static_cast<int>(blockDim.x)) {
+    const int row = e / kD, column = e % kD;
+    tile[e] = row0 + row < rows && column < d ? to_acc(matrix[(row0 + row) * d + column]) : Acc<T>(0);
   }
 }
 
 // --- forward ------------------------------------------------------------------------------------
 
 // float32 / float64: one query row per group of SimtRows<kD>::kThreadsPerRow threads, its q and
-// running output in registers; K and V tiles of kSimtTileRows keys in shared memory.
+// running output in registers; K and V tiles of kTileRows keys in shared memory.
 template <typename T, int kD>
 __global__ void __launch_bounds__(SimtRows<kD>::kThreads)
 attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, T* __restrict__ out, T* __restrict__ lse) {
   using A = Acc<T>;
   using Rows = SimtRows<kD>;
-  __shared__ A k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
+  __shared__ A k_tile[Rows::kTileRows * kD], v_tile[Rows::kTileRows * kD];
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
   const int64_t bh = blockIdx.x / query_tiles;  // as in the tensor-core kernel: last query tiles first
   const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
   const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
   const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  q += bh * lq * kD;
-  k += bh * lk * kD;
-  v += bh * lk * kD;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
+  q += bh * lq * d;
+  k += bh / shape.group * lk * d;  // the kv head of this query head's group
+  v += bh / shape.group * lk * d;
 
   A q_row[Rows::kColumns], o[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q, i, lq, part);
+  load_row_part<kD>(q_row, q, i, lq, d, part);
   A row_max = -INFINITY, row_sum = 0;
   const A scale = static_cast<A>(shape.scale);
-  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
+  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += Rows::kTileRows) {
     __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk);
-    load_simt_tile<kD>(v_tile, v, key0, lk);
+    load_simt_tile<kD>(k_tile, k, key0, lk, d);
+    load_simt_tile<kD>(v_tile, v, key0, lk, d);
     __syncthreads();
-    A s[kSimtTileRows];
+    A s[Rows::kTileRows];
     A tile_max = row_max;
 #pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
+    for (int j = 0; j < Rows::kTileRows; ++j) {
       s[j] = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
       if (!visible.sees(i, key0 + j)) s[j] = -INFINITY;
       tile_max = fmax(tile_max, s[j]);
@@ -138,7 +149,7 @@ attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, con
 #pragma unroll
     for (int c = 0; c < Rows::kColumns; ++c) o[c] *= rescale;
 #pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
+    for (int j = 0; j < Rows::kTileRows; ++j) {
       const A p = exp_acc(s[j] - tile_max);
       row_sum += p;
       add_row_part<kD>(o, p, v_tile, j, part);
@@ -146,7 +157,7 @@ attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, con
     row_max = tile_max;
   }
   if (i < lq) {
-    store_row_part<kD>(out + bh * lq * kD, i, o, A(1) / row_sum, part);
+    store_row_part<kD>(out + bh * lq * d, i, o, A(1) / row_sum, d, part);
     if (part == 0) lse[bh * lq + i] = row_max + log(row_sum);
   }
 }
@@ -160,86 +171,86 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
                                   const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
                                   const T* __restrict__ delta, T* __restrict__ grad_q) {
   using Rows = SimtRows<kD>;
-  __shared__ T k_tile[kSimtTileRows * kD], v_tile[kSimtTileRows * kD];
+  __shared__ T k_tile[Rows::kTileRows * kD], v_tile[Rows::kTileRows * kD];
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, query_tiles = ceil_div(lq, Rows::kRowsPerBlock);
   const int64_t bh = blockIdx.x / query_tiles;  // last query tiles (most keys when causal) first
   const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * Rows::kRowsPerBlock;
   const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
   const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
   const int64_t row = bh * lq + i;
-  k += bh * lk * kD;
-  v += bh * lk * kD;
+  k += bh / shape.group * lk * d;  // the kv head of this query head's group
+  v += bh / shape.group * lk * d;
 
   T q_row[Rows::kColumns], dout_row[Rows::kColumns], dq[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q + bh * lq * kD, i, lq, part);
-  load_row_part<kD>(dout_row, grad_out + bh * lq * kD, i, lq, part);
+  load_row_part<kD>(q_row, q + bh * lq * d, i, lq, d, part);
+  load_row_part<kD>(dout_row, grad_out + bh * lq * d, i, lq, d, part);
   const T row_lse = i < lq ? lse[row] : T(0), row_delta = i < lq ? delta[row] : T(0);
   const T scale = static_cast<T>(shape.scale);
-  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += kSimtTileRows) {
+  for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += Rows::kTileRows) {
     __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk);
-    load_simt_tile<kD>(v_tile, v, key0, lk);
+    load_simt_tile<kD>(k_tile, k, key0, lk, d);
+    load_simt_tile<kD>(v_tile, v, key0, lk, d);
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kSimtTileRows; ++j) {
+    for (int j = 0; j < Rows::kTileRows; ++j) {
       const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(q_row, k_tile, j, part)) * scale;
       const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(dout_row, v_tile, j, part));
       const T p = visible.sees(i, key0 + j) ? exp_acc(s - row_lse) : T(0);
       add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
     }
   }
-  if (i < lq) store_row_part<kD>(grad_q + bh * lq * kD, i, dq, scale, part);
+  if (i < lq) store_row_part<kD>(grad_q + bh * lq * d, i, dq, scale, d, part);
 }
 
 // dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
-// that see it.
+// that see it: those of every query head of its kv head's group, one head after the other.
 template <typename T, int kD>
 __global__ void __launch_bounds__(SimtRows<kD>::kThreads)
 attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ q,
                                      const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ lse,
                                      const T* __restrict__ delta, T* __restrict__ grad_k, T* __restrict__ grad_v) {
   using Rows = SimtRows<kD>;
-  __shared__ T q_tile[kSimtTileRows * kD], dout_tile[kSimtTileRows * kD];
-  __shared__ T lse_tile[kSimtTileRows], delta_tile[kSimtTileRows];
+  __shared__ T q_tile[Rows::kTileRows * kD], dout_tile[Rows::kTileRows * kD];
+  __shared__ T lse_tile[Rows::kTileRows], delta_tile[Rows::kTileRows];
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, key_tiles = ceil_div(lk, Rows::kRowsPerBlock);
-  const int64_t bh = blockIdx.x / key_tiles;  // first key tiles (seen by most queries when causal) first
+  const int64_t kv = blockIdx.x / key_tiles;  // first key tiles (seen by most queries when causal) first
   const int64_t j0 = blockIdx.x % key_tiles * Rows::kRowsPerBlock, j1 = min(j0 + Rows::kRowsPerBlock, lk);
   const int64_t j = j0 + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  q += bh * lq * kD;
-  grad_out += bh * lq * kD;
-  lse += bh * lq;
-  delta += bh * lq;
+  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
 
   T k_row[Rows::kColumns], v_row[Rows::kColumns], dk[Rows::kColumns] = {}, dv[Rows::kColumns] = {};
-  load_row_part<kD>(k_row, k + bh * lk * kD, j, lk, part);
-  load_row_part<kD>(v_row, v + bh * lk * kD, j, lk, part);
+  load_row_part<kD>(k_row, k + kv * lk * d, j, lk, d, part);
+  load_row_part<kD>(v_row, v + kv * lk * d, j, lk, d, part);
   const T scale = static_cast<T>(shape.scale);
-  for (int64_t query0 = visible.first_query(j0); query0 < visible.end_query(j1 - 1); query0 += kSimtTileRows) {
-    __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(q_tile, q, query0, lq);
-    load_simt_tile<kD>(dout_tile, grad_out, query0, lq);
-    if (threadIdx.x < kSimtTileRows) {
-      const bool valid = query0 + threadIdx.x < lq;
-      lse_tile[threadIdx.x] = valid ? lse[query0 + threadIdx.x] : T(0);
-      delta_tile[threadIdx.x] = valid ? delta[query0 + threadIdx.x] : T(0);
-    }
-    __syncthreads();
+  for (int64_t bh = kv * shape.group; bh < (kv + 1) * shape.group; ++bh) {
+    const T* q_head = q + bh * lq * d;
+    const T* dout_head = grad_out + bh * lq * d;
+    for (int64_t query0 = visible.first_query(j0); query0 < visible.end_query(j1 - 1); query0 += Rows::kTileRows) {
+      __syncthreads();  // the previous tile is no longer read
+      load_simt_tile<kD>(q_tile, q_head, query0, lq, d);
+      load_simt_tile<kD>(dout_tile, dout_head, query0, lq, d);
+      if (threadIdx.x < Rows::kTileRows) {
+        const bool valid = query0 + threadIdx.x < lq;
+        lse_tile[threadIdx.x] = valid ? lse[bh * lq + query0 + threadIdx.x] : T(0);
+        delta_tile[threadIdx.x] = valid ? delta[bh * lq + query0 + threadIdx.x] : T(0);
+      }
+      __syncthreads();
 #pragma unroll
-    for (int r = 0; r < kSimtTileRows; ++r) {
-      const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(k_row, q_tile, r, part)) * scale;
-      const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(v_row, dout_tile, r, part));
-      const T p = visible.sees(query0 + r, j) ? exp_acc(s - lse_tile[r]) : T(0);
-      add_row_part<kD>(dv, p, dout_tile, r, part);
-      add_row_part<kD>(dk, p * (dp - delta_tile[r]), q_tile, r, part);
+      for (int r = 0; r < Rows::kTileRows; ++r) {
+        const T s = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(k_row, q_tile, r, part)) * scale;
+        const T dp = row_group_sum<Rows::kThreadsPerRow>(dot_row_part<kD>(v_row, dout_tile, r, part));
+        const T p = visible.sees(query0 + r, j) ? exp_acc(s - lse_tile[r]) : T(0);
+        add_row_part<kD>(dv, p, dout_tile, r, part);
+        add_row_part<kD>(dk, p * (dp - delta_tile[r]), q_tile, r, part);
+      }
     }
   }
   if (j < lk) {
-    store_row_part<kD>(grad_k + bh * lk * kD, j, dk, scale, part);
-    store_row_part<kD>(grad_v + bh * lk * kD, j, dv, T(1), part);
+    store_row_part<kD>(grad_k + kv * lk * d, j, dk, scale, d, part);
+    store_row_part<kD>(grad_v + kv * lk * d, j, dv, T(1), d, part);
   }
 }
 

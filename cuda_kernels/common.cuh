@@ -237,16 +237,21 @@ void dispatch_vector_width(bool vectorise, Fn&& fn) {
   }
 }
 
-// Calls fn(std::integral_constant<int, kD>{}) for the head dim of the attention kernels
-// (16, 32, 64 or 128; ops.cpp checked it).
+// Calls fn(std::integral_constant<int, kTile>{}) with the smallest of kTiles (ascending) that holds
+// head_dim: the attention kernels run a head dim on a tile that wide, zero-filling the columns past it.
+template <int... kTiles, typename Fn>
+void dispatch_tile_width(int64_t head_dim, Fn&& fn) {
+  bool done = false;
+  ((!done && head_dim <= kTiles ? (fn(std::integral_constant<int, kTiles>{}), done = true) : false), ...);
+}
+
+// The flash-attention kernels' tile widths (a head dim is a multiple of 8 up to 256; ops.cpp checked
+// it): multiples of 16, the k-step of mma.sync m16n8k16. Each is one more instantiation per dtype and
+// direction, so only a few: the common head dims (64, 128) run unpadded, and between them a head dim
+// pads by at most 64 columns (head dim 136 on the 192-wide tile: 41 % more work than it needs).
 template <typename Fn>
-void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 16: fn(std::integral_constant<int, 16>{}); break;
-    case 32: fn(std::integral_constant<int, 32>{}); break;
-    case 64: fn(std::integral_constant<int, 64>{}); break;
-    default: fn(std::integral_constant<int, 128>{}); break;
-  }
+void dispatch_attention_tile(int64_t head_dim, Fn&& fn) {
+  dispatch_tile_width<16, 32, 64, 96, 128, 192, 256>(head_dim, fn);
 }
 
 }  // namespace kernel_ladder

@@ -18,22 +18,26 @@ namespace kernel_ladder {
 
 enum class DType { Float32, Float64, Float16, BFloat16 };
 
-// One attention call: q is (batch_heads, query_length, head_dim), k and v (batch_heads, key_length,
-// head_dim). Query i sits at key position i + key_length - query_length; `causal` lets it see keys at
-// or before that position, `window` > 0 only the `window` most recent of them (attention_mask.h).
+// One attention call: q is (batch_heads, query_length, head_dim), k and v (batch_heads / group, key_length,
+// head_dim): query head bh reads kv head bh / group (grouped-query attention; group 1: a kv head per query
+// head). head_dim is a multiple of 8, at most 256. Query i sits at key position i + key_length -
+// query_length; `causal` lets it see keys at or before that position, `window` > 0 only the `window` most
+// recent of them (attention_mask.h).
 struct AttentionShape {
-  int64_t batch_heads, query_length, key_length, head_dim;
+  int64_t batch_heads, query_length, key_length, head_dim, group;
   bool causal;
   int64_t window;
   double scale;  // multiplies q.k
 };
 
-// One decode-attention call (attention_decode.cu): q, k_new, v_new (batch, heads, 1, head_dim), rows of
-// head_dim contiguous at + b * q_stride_batch + h * q_stride_head (heads may be views of a fused
-// projection); caches (batch, heads, capacity, head_dim) contiguous, of which sequence b fills
-// key_lengths[b] positions (read on the device) with this step; `window` > 0 keeps the most recent.
+// One decode-attention call (attention_decode.cu): q (batch, heads, 1, head_dim), rows of head_dim
+// contiguous at + b * q_stride_batch + h * q_stride_head (heads may be views of a fused projection);
+// k_new, v_new (batch, heads / group, 1, head_dim) likewise with the kv strides; caches (batch, heads /
+// group, capacity, head_dim) contiguous, of which sequence b fills key_lengths[b] positions (read on the
+// device) with this step; query head h reads kv head h / group; `window` > 0 keeps the most recent.
 struct DecodeShape {
-  int64_t batch, heads, capacity, head_dim, q_stride_batch, q_stride_head, window;
+  int64_t batch, heads, group, capacity, head_dim, q_stride_batch, q_stride_head, kv_stride_batch, kv_stride_head,
+      window;
   double scale;  // multiplies q.k
 };
 

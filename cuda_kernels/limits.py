@@ -8,8 +8,22 @@ class LevelUnavailableError(RuntimeError):
     """A level cannot run here (missing package, no compiler, wrong device). The message says why."""
 
 
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
-"""Head dims the level-4 and level-5 attention kernels compile tiles for (one tile width each)."""
+ATTENTION_HEAD_DIM_STEP = 8
+ATTENTION_MAX_HEAD_DIM = 256
+ATTENTION_HEAD_DIMS = "multiples of 8 from 8 to 256"
+"""Head dims the level-4 and level-5 attention kernels run. A row of 8 16-bit values is one 16-byte
+copy, so every row starts aligned and a tile's padding columns (the kernels round the head dim up to
+a tile width: a power of two in Triton, a multiple of 16 for mma.sync in CUDA) are whole copies that
+read as zero and are never stored. 256 is the widest tile whose accumulators still fit an SM."""
+
+
+def attention_head_dim_supported(head_dim: int) -> bool:
+    return head_dim % ATTENTION_HEAD_DIM_STEP == 0 and ATTENTION_HEAD_DIM_STEP <= head_dim <= ATTENTION_MAX_HEAD_DIM
+
+
+def unsupported_head_dim_message(head_dim: int, kernel: str) -> str:
+    return f"head_dim {head_dim} is not supported by the {kernel} attention kernel (supported: {ATTENTION_HEAD_DIMS})"
+
 
 SWISH_VERSIONS = {
     1: "one element per thread, IEEE expf and division",

@@ -245,15 +245,16 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
               scale: float) -> torch.Tensor:
-    """Flash attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) by our kernels, differentiable
-    (``window`` 0: none); returns only the output (the saved lse stays inside the autograd graph)."""
+    """Flash attention of q (B, H, Lq, D) over k, v (B, Hkv, Lk, D), H a multiple of Hkv (grouped-query
+    attention), D a multiple of 8 up to 256, by our kernels, differentiable (``window`` 0: none); returns
+    only the output (the saved lse stays inside the autograd graph)."""
     return _attention_forward(q, k, v, causal, window, scale)[0]
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """One new token per sequence, q, k_new, v_new (B, H, 1, D): its key and value written at position
-    ``key_lengths[b] - 1`` (an int32 device tensor) of static caches (B, H, capacity, D), its query
+    """One new token per sequence, q (B, H, 1, D), k_new, v_new (B, Hkv, 1, D): its key and value written at
+    position ``key_lengths[b] - 1`` (an int32 device tensor) of static caches (B, Hkv, capacity, D), its query
     attended over the first ``key_lengths[b]`` positions: the decode step a CUDA graph replays.
     Inference only."""
     return _decode_attention(q, k_new, v_new, k_cache, v_cache, key_lengths, window, scale)

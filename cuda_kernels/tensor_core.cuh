@@ -16,7 +16,13 @@
 // Shared-memory layout: a tile of kCols halves per row is stored with rows kCols + 8 halves apart.
 // ldmatrix reads 8 rows of 16 bytes at one column; with rows a multiple of 128 bytes apart all 8
 // would sit in the same 4 banks (an 8-way conflict). 16 bytes of padding shift each row by 4 banks,
-// so the 8 rows cover all 32 banks, for every head dim (row pitches of 48, 80, 144, 272 bytes).
+// so the 8 rows cover all 32 banks, for every tile width (row pitches of 48, 80, 144, 208, 272, 400,
+// 528 bytes: odd multiples of 16 bytes).
+//
+// Tiles and rows. A tile is kCols wide (a multiple of 16, the k-step of mma.sync); the matrix rows in
+// global memory hold row_length <= kCols values (a head dim, a multiple of 8, so a row is whole 16-byte
+// pieces and starts 16-byte aligned). Loads zero-fill the tile's columns past row_length (zeros add
+// nothing to any product) and stores skip them: the tensors are never padded in memory.
 #pragma once
 
 #include "common.cuh"
@@ -33,11 +39,12 @@ __device__ __forceinline__ void copy_async_4(void* shared, const void* global, b
                "r"(valid ? 4 : 0));
 }
 
-// Rows [row0, row0 + kRows) of a (rows, kCols) row-major matrix into a padded shared tile, 16 bytes
-// per copy, spread over kThreads threads; rows at or past `rows` are zero-filled (a zero row adds
-// nothing to any product, and never leaves garbage that could be NaN).
+// Rows [row0, row0 + kRows) of a (rows, row_length) row-major matrix into a padded shared tile kCols
+// wide, 16 bytes per copy, spread over kThreads threads; rows at or past `rows` and columns at or past
+// row_length are zero-filled (a zero adds nothing to any product, and never leaves garbage that could
+// be NaN).
 template <int kRows, int kCols, int kThreads, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_t row0, int64_t rows) {
+__device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_t row0, int64_t rows, int row_length) {
   constexpr int kChunkElements = 16 / sizeof(T);
   constexpr int kChunksPerRow = kCols / kChunkElements;
   static_assert((kRows * kChunksPerRow) % kThreads == 0, "every thread copies the same number of chunks");
@@ -45,8 +52,8 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_
   for (int i = 0; i < kRows * kChunksPerRow / kThreads; ++i) {
     const int chunk = static_cast<int>(threadIdx.x) + i * kThreads;
     const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
-    const bool valid = row0 + row < rows;
-    copy_async_16(tile + row * kPaddedPitch<kCols> + col, matrix + (valid ? (row0 + row) * kCols + col : 0), valid);
+    const bool valid = row0 + row < rows && col < row_length;
+    copy_async_16(tile + row * kPaddedPitch<kCols> + col, matrix + (valid ? (row0 + row) * row_length + col : 0), valid);
   }
 }
 
@@ -193,30 +200,32 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Stage a warp's 16 x kCols accumulator rows (C fragments, kCols / 8 of them) into its rows of a
-// padded shared tile, rounded to T, so that the warp can then write them to global memory in
-// coalesced 16-byte pieces (copy_rows_to_global).
-template <typename T, int kCols>
+// padded shared tile (rows kPitch apart), rounded to T, so that the warp can then write them to global
+// memory in coalesced 16-byte pieces (copy_rows_to_global).
+template <typename T, int kCols, int kPitch = kPaddedPitch<kCols>>
 __device__ __forceinline__ void stage_accumulators(T* rows16, const float (&c)[kCols / 8][4], float scale) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  T* top = rows16 + lane / 4 * kPaddedPitch<kCols> + lane % 4 * 2;
+  T* top = rows16 + lane / 4 * kPitch + lane % 4 * 2;
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
     *reinterpret_cast<uint32_t*>(top + n * 8) = pack_pair<T>(c[n][0] * scale, c[n][1] * scale);
-    *reinterpret_cast<uint32_t*>(top + 8 * kPaddedPitch<kCols> + n * 8) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
+    *reinterpret_cast<uint32_t*>(top + 8 * kPitch + n * 8) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
   }
 }
 
-// A warp copies the kRows rows of a padded shared tile to rows [row0, row0 + kRows) of a (rows, kCols)
-// global matrix, 16 bytes per lane per step; rows at or past `rows` are not written.
+// A warp copies the kRows rows of a padded shared tile kCols wide to rows [row0, row0 + kRows) of a
+// (rows, row_length) global matrix, 16 bytes per lane per step; rows at or past `rows` and the tile's
+// columns past row_length are not written.
 template <int kRows, int kCols, typename T>
-__device__ __forceinline__ void copy_rows_to_global(T* matrix, const T* tile, int64_t row0, int64_t rows) {
+__device__ __forceinline__ void copy_rows_to_global(T* matrix, const T* tile, int64_t row0, int64_t rows,
+                                                    int row_length) {
   constexpr int kChunkElements = 16 / sizeof(T);
   constexpr int kChunksPerRow = kCols / kChunkElements;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   for (int chunk = lane; chunk < kRows * kChunksPerRow; chunk += kWarpSize) {
     const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
-    if (row0 + row < rows) {
-      *reinterpret_cast<int4*>(matrix + (row0 + row) * kCols + col) =
+    if (row0 + row < rows && col < row_length) {
+      *reinterpret_cast<int4*>(matrix + (row0 + row) * row_length + col) =
           *reinterpret_cast<const int4*>(tile + row * kPaddedPitch<kCols> + col);
     }
   }

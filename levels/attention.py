@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS  # a leaf: builds nothing
+from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message  # a leaf: builds nothing
 
 from .backends import cuda_backend, inductor, torchscript, triton_backend
 from .spec import ComponentSpec, check_floating_input, default_device_and_dtype
@@ -42,21 +42,29 @@ def visible_keys_mask(query_length: int, key_length: int, window: int, device: t
 
 def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
                    scale: float) -> torch.Tensor:
-    """The formula as a PyTorch user writes it: scores, mask, softmax, weighted sum (``window`` 0: none)."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    """The formula as a PyTorch user writes it: scores, mask, softmax, weighted sum (``window`` 0: none).
+
+    Grouped-query attention (k, v with fewer heads than q): the query heads are viewed as (kv heads,
+    group) and k, v get a group axis of size 1, so matmul broadcasts each kv head over its group's
+    query heads without copying k or v, and autograd sums their gradients over the group."""
+    batch, query_heads, query_length, head_dim = q.shape
+    kv_heads = k.shape[1]
+    grouped_q = q.reshape(batch, kv_heads, query_heads // kv_heads, query_length, head_dim)
+    scores = torch.matmul(grouped_q, k.unsqueeze(2).transpose(-2, -1)) * scale
     if causal:
-        visible = visible_keys_mask(q.shape[-2], k.shape[-2], window, q.device)
+        visible = visible_keys_mask(query_length, k.shape[-2], window, q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     probabilities = torch.softmax(scores, dim=-1)
-    return torch.matmul(probabilities, v)
+    return torch.matmul(probabilities, v.unsqueeze(2)).reshape(q.shape)
 
 
 def decode_attention_math(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     """One new token per sequence over a preallocated cache, the step a CUDA graph replays.
 
-    q, k_new and v_new are the new token's (batch, heads, 1, head_dim); the caches are (batch, heads,
-    capacity, head_dim), of which sequence b fills its first ``key_lengths[b]`` positions with this
+    q is the new token's (batch, heads, 1, head_dim), k_new and v_new its (batch, kv_heads, 1, head_dim)
+    (kv_heads divides heads: grouped-query attention as in ``attention_math``); the caches are (batch,
+    kv_heads, capacity, head_dim), of which sequence b fills its first ``key_lengths[b]`` positions with this
     step: the new key and value are written at position key_lengths[b] − 1, in place. The count lives
     on the device, so the same call, with the same shapes and addresses, serves every step. The query
     sits at that last position: it sees every filled key, or with ``window`` > 0 the ``window`` most
@@ -69,9 +77,18 @@ def decode_attention_math(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     visible = positions < lengths
     if window > 0:
         visible = visible & (positions >= lengths - window)
-    scores = torch.matmul(q, k_cache.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v_cache)
+    batch, heads, _, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    grouped_q = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim)
+    scores = torch.matmul(grouped_q, k_cache.unsqueeze(2).transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v_cache.unsqueeze(2)).reshape(q.shape)
+
+
+def heads_fit(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Each kv head serves a whole group of query heads: Hq is a multiple of Hkv (or both are 0)."""
+    query_heads, kv_heads = q.shape[1], k.shape[1]
+    return query_heads == kv_heads or (kv_heads > 0 and query_heads % kv_heads == 0)
 
 
 class AttentionSpec(ComponentSpec):
@@ -87,7 +104,9 @@ class AttentionSpec(ComponentSpec):
         scale: multiplies the scores; default 1/√head_dim.
 
     Call: ``attention(q, k, v)`` with q of shape (batch, heads, query_len, head_dim) and k, v of shape
-    (batch, heads, key_len, head_dim); returns (batch, heads, query_len, head_dim).
+    (batch, kv_heads, key_len, head_dim); returns (batch, heads, query_len, head_dim). kv_heads may be a
+    divisor of heads (grouped-query attention, as in Llama 2 70B and Mistral): query head h then uses
+    kv head h // (heads / kv_heads). Levels 4 and 5 take head dims that are multiples of 8 up to 256.
     """
 
     component = "attention"
@@ -115,9 +134,9 @@ class AttentionSpec(ComponentSpec):
             if tensor.dtype != q.dtype or tensor.device != q.device:
                 raise TypeError(f"q, k and v must share dtype and device: q is {q.dtype} on {q.device}, "
                                 f"{name} is {tensor.dtype} on {tensor.device}")
-        if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or not heads_fit(q, k):
             raise ValueError(f"shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                             "(expected q (B, H, Lq, D) and k, v both (B, H, Lk, D))")
+                             "(expected q (B, H, Lq, D) and k, v both (B, Hkv, Lk, D), H a multiple of Hkv)")
         if self.causal and q.shape[-2] > k.shape[-2]:
             raise ValueError(f"causal attention with {q.shape[-2]} queries but only {k.shape[-2]} keys: the first "
                              "queries would see no key (queries are aligned to the end of the keys)")
@@ -129,7 +148,8 @@ class AttentionSpec(ComponentSpec):
     @staticmethod
     def query_and_key_shapes(shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(q's shape, k's and v's shape) of one ``shape`` (batch, heads, seq, head_dim) for all three,
-        or of a tuple of three shapes (q, k, v): queries shorter than keys, as in decoding."""
+        or of a tuple of three shapes (q, k, v): queries shorter than keys, as in decoding, or k and v
+        with fewer heads than q (grouped-query attention)."""
         if isinstance(shape[0], (tuple, list)):
             return tuple(shape[0]), tuple(shape[1])
         return tuple(shape), tuple(shape)
@@ -159,7 +179,7 @@ class AttentionSpec(ComponentSpec):
     def bytes_moved(self, shape, dtype, backward=False) -> int:
         (batch, heads, queries, head_dim), key_shape = self.query_and_key_shapes(shape)
         query_tensor = batch * heads * queries * head_dim * dtype.itemsize
-        key_tensor = batch * heads * key_shape[2] * head_dim * dtype.itemsize
+        key_tensor = batch * key_shape[1] * key_shape[2] * head_dim * dtype.itemsize  # at the kv heads (GQA)
         log_sum_exp = batch * heads * queries * 4
         forward = 2 * query_tensor + 2 * key_tensor + log_sum_exp  # read q, k, v; write o and the log-sum-exp
         # read q, k, v, o, do, lse; write dq, dk, dv
@@ -182,10 +202,12 @@ class AttentionSpec(ComponentSpec):
         """Append one new token per sequence to static caches and attend its query over them
         (``decode_attention_math`` says what it computes): the generation step that ``levels.gpt``
         captures as a CUDA graph. Causal by nature; inference only."""
-        if (q.shape[-2] != 1 or k_new.shape != q.shape or v_new.shape != q.shape or k_cache.shape != v_cache.shape
-                or q.shape[:2] != k_cache.shape[:2] or q.shape[-1] != k_cache.shape[-1]):
-            raise ValueError(f"decode takes q, k_new, v_new of shape (batch, heads, 1, head_dim) and two caches of "
-                             f"shape (batch, heads, capacity, head_dim), got q {tuple(q.shape)}, k_new "
+        if (q.dim() != 4 or q.shape[-2] != 1 or k_new.shape != v_new.shape or k_cache.shape != v_cache.shape
+                or k_new.shape != (*k_cache.shape[:2], 1, q.shape[-1]) or q.shape[0] != k_cache.shape[0]
+                or q.shape[-1] != k_cache.shape[-1] or not heads_fit(q, k_cache)):
+            raise ValueError(f"decode takes q of shape (batch, heads, 1, head_dim), k_new, v_new of shape (batch, "
+                             f"kv_heads, 1, head_dim) and two caches of shape (batch, kv_heads, capacity, head_dim), "
+                             f"heads a multiple of kv_heads, got q {tuple(q.shape)}, k_new "
                              f"{tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, k_cache {tuple(k_cache.shape)}, "
                              f"v_cache {tuple(v_cache.shape)}")
         return self.compute_decode(q, k_new, v_new, k_cache, v_cache, key_lengths, self.window or 0,
@@ -215,7 +237,7 @@ class PyTorchSDPA(nn.Module):
             mask = visible_keys_mask(q.shape[-2], k.shape[-2], spec.window or 0, q.device)
         with sdpa_kernel(self.backend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=same_length_causal,
-                                                  scale=spec.scale_for(q.shape[-1]))
+                                                  scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])
 
 
 class AttentionNative(AttentionSpec):
@@ -280,9 +302,8 @@ class _AttentionKernel(AttentionSpec):
 
     def check_inputs(self, q, k, v):
         super().check_inputs(q, k, v)
-        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim {q.shape[-1]} is not supported by the {self.kernel_name} attention kernel "
-                             f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        if not attention_head_dim_supported(q.shape[-1]):
+            raise ValueError(unsupported_head_dim_message(q.shape[-1], self.kernel_name))
 
     def compute(self, q, k, v):
         return self.backend().attention(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))

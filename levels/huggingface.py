@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuda_kernels.limits import ATTENTION_HEAD_DIMS
+from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message
 
 from . import attention as attention_component
 from .backends import cuda_backend, linear, triton_backend
@@ -171,9 +171,8 @@ def _check_model_class(model, transformers) -> nn.Module:
 def _check_config(config, level: str) -> None:
     """ValueError naming whatever in ``config`` the level's parts do not compute."""
     head_dim = config.n_embd // config.n_head
-    if level in ("triton", "cuda") and head_dim not in ATTENTION_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} (n_embd={config.n_embd} / n_head={config.n_head}) is not supported by "
-                         f"the {level} attention kernel (supported: {', '.join(map(str, ATTENTION_HEAD_DIMS))})")
+    if level in ("triton", "cuda") and not attention_head_dim_supported(head_dim):
+        raise ValueError(f"{unsupported_head_dim_message(head_dim, level)}; n_embd={config.n_embd} / n_head={config.n_head}")
     if config.activation_function not in TANH_GELUS:
         raise ValueError(f"activation_function={config.activation_function!r}: the ladder's feed-forward computes "
                          f"GELU's tanh approximation only ({' or '.join(TANH_GELUS)})")

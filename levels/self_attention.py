@@ -122,7 +122,7 @@ class SelfAttentionSpec(ComponentSpec):
 
     Args:
         n_embd: model width; n_head: number of heads (n_embd / n_head is the head dim, which levels 4
-            and 5 support for 16, 32, 64 and 128).
+            and 5 support for multiples of 8 up to 256).
         window: sliding-window attention over the last ``window`` tokens (None: full causal).
 
     Parameters: ``c_attn`` (3·n_embd × n_embd) and ``c_proj`` (n_embd × n_embd), ``nn.Linear``s named as in

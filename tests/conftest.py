@@ -15,7 +15,8 @@ DEVICES = ("cpu", "cuda") if HAS_CUDA else ("cpu",)
 
 # The shapes of the equivalence grid: odd sizes that are multiples of no block size, a row of one
 # element, a multi-dim normalized_shape, rows long enough that levels 4 and 5 loop over them, and
-# attention with one query, a window, and queries shorter than keys; the composites (feed-forward,
+# attention with one query, a window, queries shorter than keys, head dims that are no tile width and
+# fewer kv heads than query heads; the composites (feed-forward,
 # self-attention, block, GPT) at widths and token counts that are multiples of no block either.
 COMPONENT_CASES = {
     "swish": [
@@ -53,6 +54,16 @@ COMPONENT_CASES = {
         ({"causal": True}, ((1, 2, 1, 16), (1, 2, 9, 16), (1, 2, 9, 16))),
         ({"causal": True}, ((1, 2, 5, 16), (1, 2, 70, 16), (1, 2, 70, 16))),
         ({"causal": True, "window": 7}, ((1, 1, 3, 64), (1, 1, 40, 64), (1, 1, 40, 64))),
+        # Head dims that are no tile width: the kernels pad the tile, not the tensors (24 on 32, 80 on
+        # 128 in Triton and 96 in CUDA, 96), and the widest one, 256.
+        ({"causal": True}, (1, 2, 37, 24)),
+        ({"causal": False}, (1, 1, 29, 80)),
+        ({"causal": True, "window": 9}, (1, 1, 45, 96)),
+        ({"causal": True}, (1, 1, 9, 256)),
+        # Grouped-query attention: 3 query heads per kv head, causal; 4 per kv head, a window, queries
+        # shorter than keys.
+        ({"causal": True}, ((1, 6, 33, 16), (1, 2, 33, 16), (1, 2, 33, 16))),
+        ({"causal": True, "window": 5}, ((1, 4, 7, 32), (1, 1, 40, 32), (1, 1, 40, 32))),
     ],
     # (..., n_embd) for the feed-forward and the block parts, (batch, tokens) of token ids for the GPT.
     "feed_forward": [

@@ -75,16 +75,19 @@ def test_static_cache_decoding_gives_the_growing_caches_tokens(level, device):
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("window", [0, 5])
-def test_decode_attention_over_a_static_cache_matches_the_masked_math(level, device, window):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (6, 2, 40)], ids=["heads-2", "grouped-6-over-2-dim-40"])
+def test_decode_attention_over_a_static_cache_matches_the_masked_math(level, device, window, heads, kv_heads, head_dim):
     """Levels 4 and 5 write the new token's key and value into the caches and attend its query over the
     keys each sequence has filled (a count read on the device), visiting only those; level 1's math
-    masks the whole cache. q, k and v come strided, as heads split off the fused projection."""
+    masks the whole cache. q, k and v come strided, as heads split off the fused projection; with
+    grouped-query attention the caches hold kv_heads heads, and a head dim that is no tile width pads."""
     attention = levels.build("attention", level, causal=True, window=window or None)
     for dtype in LEVEL_DTYPES[level][device]:
-        batch, heads, capacity, head_dim = 3, 2, 150, 64
-        projection = torch.randn(batch, 1, 3, heads, head_dim, dtype=dtype, device=device)
-        q, k_new, v_new = projection.permute(2, 0, 3, 1, 4).unbind(0)
-        k_cache, v_cache = (torch.randn(batch, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(2))
+        batch, capacity = 3, 150
+        projection = torch.randn(batch, 1, heads + 2 * kv_heads, head_dim, dtype=dtype, device=device)
+        q, k_new, v_new = projection.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+        k_cache, v_cache = (torch.randn(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                            for _ in range(2))
         key_lengths = torch.tensor([1, 77, capacity], dtype=torch.int32, device=device)
         expected_k, expected_v = k_cache.double(), v_cache.double()
         expected = decode_attention_math(q.double(), k_new.double(), v_new.double(), expected_k, expected_v,
@@ -172,9 +175,9 @@ def test_wrong_width_names_the_expected_one(component, level):
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_head_dim_the_kernels_do_not_support_names_the_supported_ones(level, device):
-    module = levels.build("self_attention", level, n_embd=48, n_head=1).to(device)
-    with pytest.raises(ValueError, match=r"head_dim 48 is not supported.*16, 32, 64, 128"):
-        module(torch.randn(1, 4, 48, device=device))
+    module = levels.build("self_attention", level, n_embd=100, n_head=1).to(device)
+    with pytest.raises(ValueError, match=r"head_dim 100 is not supported.*multiples of 8 from 8 to 256"):
+        module(torch.randn(1, 4, 100, device=device))
 
 
 def test_course_text_round_trips_through_the_tiny_models_vocabulary():

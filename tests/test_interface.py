@@ -94,6 +94,18 @@ def test_a_blocks_cost_model_is_its_parts_plus_its_two_residual_adds():
             sum(p.bytes_moved(shape, torch.float32, backward) for p in parts) + 2 * 3 * elements * 4 * passes)
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_grouped_query_attention_moves_keys_and_values_once_per_kv_head(backward):
+    attention = levels.build("attention", "native", causal=True)
+    grouped = ((2, 8, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32))  # 4 query heads per kv head
+    one_kv_head_each = (2, 8, 64, 32)
+    key_and_value_bytes_saved = 2 * 2 * (8 - 2) * 64 * 32 * 2  # k and v at 6 fewer heads, float16
+    passes = 3 if backward else 1  # forward: read k, v; backward: read k, v and write dk, dv
+    assert (attention.bytes_moved(one_kv_head_each, torch.float16, backward)
+            - attention.bytes_moved(grouped, torch.float16, backward)) == passes * key_and_value_bytes_saved
+    assert attention.flops(grouped, backward) == attention.flops(one_kv_head_each, backward)  # per query head
+
+
 def test_self_attention_backward_counts_two_matmuls_per_projection_and_the_attention_backward():
     attention = levels.build("self_attention", "native", n_embd=64, n_head=2)
     projections = 2 * (2 * 16) * 64 * (4 * 64)  # q·k·v (3 · 64 outputs) and output (64), 2 FLOPs a multiply-add

@@ -38,16 +38,19 @@ def test_gradients_pass_float64_gradcheck(component, config, shape, level, devic
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
-@pytest.mark.parametrize("config,query_length", [
-    ({"causal": True}, 9),
-    ({"causal": True, "window": 3}, 9),
-    ({"causal": False}, 9),
-    ({"causal": True}, 4),  # queries aligned to the end of 9 keys
+@pytest.mark.parametrize("config,query_length,heads,kv_heads,head_dim", [
+    ({"causal": True}, 9, 2, 2, 16),
+    ({"causal": True, "window": 3}, 9, 2, 2, 16),
+    ({"causal": False}, 9, 2, 2, 16),
+    ({"causal": True}, 4, 2, 2, 16),  # queries aligned to the end of 9 keys
+    ({"causal": True}, 9, 6, 2, 16),  # grouped-query attention: dk, dv summed over 3 query heads
+    ({"causal": True, "window": 3}, 9, 1, 1, 24),  # a head dim on a wider tile, the rest masked
 ])
-def test_attention_gradients_pass_float64_gradcheck(config, query_length, level, device):
+def test_attention_gradients_pass_float64_gradcheck(config, query_length, heads, kv_heads, head_dim, level, device):
     module = levels.build("attention", level, **config)
-    q = torch.randn(1, 2, query_length, 16, dtype=torch.float64, device=device, requires_grad=True)
-    k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, heads, query_length, head_dim, dtype=torch.float64, device=device, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, 9, head_dim, dtype=torch.float64, device=device, requires_grad=True)
+            for _ in range(2))
     # fast_mode checks random projections of the Jacobian: a few calls instead of one per input
     # element, which keeps Triton's CPU interpreter to seconds.
     assert torch.autograd.gradcheck(module, (q, k, v), fast_mode=True)
@@ -110,6 +113,11 @@ def op_samples(namespace, device, dtype):
     q, k, v, attention_grad = (torch.randn(2, 3, 19, 16, device=device, dtype=dtype) for _ in range(4))
     attention_args = (True, 5, 0.25)  # causal, window, scale
     out, log_sum_exp = getattr(torch.ops, namespace).attention_forward(q, k, v, *attention_args)
+    # Grouped-query attention (4 query heads over 2 kv heads) at a head dim that is no tile width.
+    grouped_q, grouped_grad = (torch.randn(1, 4, 11, 24, device=device, dtype=dtype) for _ in range(2))
+    grouped_k, grouped_v = (torch.randn(1, 2, 13, 24, device=device, dtype=dtype) for _ in range(2))
+    grouped_out, grouped_lse = getattr(torch.ops, namespace).attention_forward(grouped_q, grouped_k, grouped_v,
+                                                                              *attention_args)
     fc_weight, fc_bias = torch.randn(29, 37, device=device, dtype=dtype), torch.randn(29, device=device, dtype=dtype)
     proj_weight, proj_bias = torch.randn(37, 29, device=device, dtype=dtype), torch.randn(37, device=device, dtype=dtype)
     ops = getattr(torch.ops, namespace)
@@ -139,6 +147,10 @@ def op_samples(namespace, device, dtype):
         ("attention_forward", (q.clone().requires_grad_(True), k.clone().requires_grad_(True),
                                v.clone().requires_grad_(True), *attention_args)),
         ("attention_backward", (attention_grad, q, k, v, out, log_sum_exp, *attention_args)),
+        ("attention_forward", (grouped_q.clone().requires_grad_(True), grouped_k.clone().requires_grad_(True),
+                               grouped_v.clone().requires_grad_(True), *attention_args)),
+        ("attention_backward", (grouped_grad, grouped_q, grouped_k, grouped_v, grouped_out, grouped_lse,
+                                *attention_args)),
         ("linear_forward", (x.clone().requires_grad_(True), fc_weight.clone().requires_grad_(True),
                             fc_bias.clone().requires_grad_(True))),
         ("linear_forward", (x, fc_weight, None)),
@@ -156,6 +168,9 @@ def op_samples(namespace, device, dtype):
                         [weight.abs(), x.abs()], 1e-2, 0.9, 0.99, 1e-8, 0.1, 3)),
         ("decode_attention", (q[:, :, :1].contiguous(), k[:, :, :1].contiguous(), v[:, :, :1].contiguous(), k.clone(),
                               v.clone(), torch.tensor([19, 4], dtype=torch.int32, device=device), 5, 0.25)),
+        ("decode_attention", (grouped_q[:, :, :1].contiguous(), grouped_k[:, :, :1].contiguous(),
+                              grouped_v[:, :, :1].contiguous(), grouped_k.clone(), grouped_v.clone(),
+                              torch.tensor([13], dtype=torch.int32, device=device), 0, 0.25)),
     ]
 
 

@@ -17,7 +17,8 @@ Mask
     ``attention_math``) keeps j > p − W as well; not causal: every key. ``window=0`` means none.
 
 Limits
-    head_dim 16, 32, 64, 128; any lengths (Lq ≤ Lk when causal); contiguous (B, H, L, D) tensors of
+    head_dim a multiple of 8 from 8 to 256; k and v with H or a divisor of H heads (grouped-query
+    attention); any lengths (Lq ≤ Lk when causal); contiguous (B, H, L, D) tensors of
     one dtype: float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the
     interpreter. lse is float32 (float64 for float64 inputs).
 
@@ -110,9 +111,9 @@ class _AttentionEager(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
               scale: float) -> torch.Tensor:
-    """Flash attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) by our kernels, differentiable; returns
-    only the output (lse stays saved for the backward). q, k and v may be strided (the kernels get
-    contiguous copies). torch.compile sees the registered op."""
+    """Flash attention of q (B, H, Lq, D) over k, v (B, Hkv, Lk, D), H a multiple of Hkv, by our kernels,
+    differentiable; returns only the output (lse stays saved for the backward). q, k and v may be strided
+    (the kernels get contiguous copies). torch.compile sees the registered op."""
     causal, window, scale = bool(causal), int(window), float(scale)
     if torch.compiler.is_compiling():
         return attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, window, scale)[0]

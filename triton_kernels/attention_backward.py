@@ -7,9 +7,10 @@ What it computes
 
 Kernels, in the order they run
     ``_attention_bwd_delta_kernel``   δ = rowsum(do ∘ o), one read of do and o
-    ``_attention_bwd_dkdv_kernel``    one program per (key block, batch·head): its k, v and the dk, dv
+    ``_attention_bwd_dkdv_kernel``    one program per (key block, batch·kv head): its k, v and the dk, dv
                                       accumulators stay in registers while it walks the query blocks
-                                      that see those keys, recomputing p and ds tile by tile
+                                      that see those keys, recomputing p and ds tile by tile (with
+                                      grouped-query attention, those of every query head of the group)
     ``_attention_bwd_dq_kernel``      one program per (query block, batch·head): its q, do and the dq
                                       accumulator stay in registers while it walks the key blocks
 
@@ -27,8 +28,8 @@ The one idea that makes it fast
     every run. Both kernels skip masked-out blocks and mask only the straddling ones, as the forward does.
 
 Launch
-    ``backward_tiles``: per head dim, measured on an H100 (see BACKWARD_TILES). float32 and float64
-    take the forward's ``wide_float_tile`` for both kernels.
+    ``backward_tiles``: per tile width (the head dim rounded up to a power of two), measured on an H100
+    (see BACKWARD_TILES). float32 and float64 take the forward's ``wide_float_tile`` for both kernels.
 
 Measured (H100 80GB HBM3, Triton 3.6, bfloat16, causal, batch 4, 16 heads, seq 4096, head_dim 128)
     dk, dv 1.55 ms (356 TFLOP/s of its four matmuls), dq 0.79 ms (525 TFLOP/s of its three); forward
@@ -37,8 +38,9 @@ Measured (H100 80GB HBM3, Triton 3.6, bfloat16, causal, batch 4, 16 heads, seq 4
     head_dim 64, 32, 16: forward + backward 1.62, 1.13, 0.89 ms; SDPA flash 2.07, 1.41, 1.49 ms.
 
 Limits
-    As the forward: head_dim 16, 32, 64, 128; any lengths; float16, bfloat16, float32, float64 on the
-    GPU (accumulating in float32, float64 for float64); float32 and float64 under the interpreter.
+    As the forward: head_dim a multiple of 8 up to 256; grouped-query attention; any lengths; float16,
+    bfloat16, float32, float64 on the GPU (accumulating in float32, float64 for float64); float32 and float64
+    under the interpreter.
 
 Check
     python -m pytest tests -k "attention and triton"
@@ -58,6 +60,7 @@ from .attention_tiles import (
     keys_visible,
     load_per_query,
     load_rows,
+    padded_head_dim,
     query_block_of_program,
     store_rows,
     wide_float_tile,
@@ -75,32 +78,38 @@ BACKWARD_TILES = {
     32: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
     64: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
     128: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
+    256: BackwardTiles(AttentionTile(32, 32, 8, 2), AttentionTile(64, 32, 8, 2)),
 }
 """Backward tiles for float16 and bfloat16, per head dim, measured on an H100 (batch 4, 16 heads,
 seq 4096, causal, bfloat16). A dk, dv program holds two float32 (block_n, head_dim) accumulators
 besides k and v, so its key block stays at 64 (128 at head_dim 16) and its query steps are small:
 at head_dim 128, (32 queries, 64 keys, 4 warps) ran 1.55 ms, 8 warps 3.58 ms, 64-query steps 2.55 ms.
-The dq program is the forward's shape: 128 queries (64 below head_dim 64) against 64-key blocks."""
+The dq program is the forward's shape: 128 queries (64 below head_dim 64) against 64-key blocks.
+Tile width 256 (head dims 136 … 256), by arithmetic and not yet measured: a dk, dv program of 32 keys
+holds 2 × 32 × 256 float32 accumulators, 64 registers a thread over 8 warps, and k, v plus 2 stages of
+32-query q, do blocks take 32 + 64 = 96 KB of shared memory; the dq program is the forward's 64 × 32."""
 
 DELTA_ROWS = 64
 """Queries per program of the δ kernel: 64 rows of do and o, 16 KB at head_dim 128 in 16 bits."""
 
 
-def backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardTiles:
+def backward_tiles(block_d: int, dtype: torch.dtype) -> BackwardTiles:
     if dtype.itemsize == 2:
-        return BACKWARD_TILES[head_dim]
-    return BackwardTiles(wide_float_tile(head_dim), wide_float_tile(head_dim))
+        return BACKWARD_TILES[block_d]
+    return BackwardTiles(wide_float_tile(block_d), wide_float_tile(block_d))
 
 
 @triton.jit
-def _attention_bwd_delta_kernel(Out, DOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                                COMPUTE: tl.constexpr):
+def _attention_bwd_delta_kernel(Out, DOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_ROWS: tl.constexpr, COMPUTE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    mask = rows < n_rows
-    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(Out + offsets, mask=mask[:, None], other=0.0).to(COMPUTE)
-    do = tl.load(DOut + offsets, mask=mask[:, None], other=0.0).to(COMPUTE)
-    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=mask)
+    row_mask = rows < n_rows
+    columns = tl.arange(0, BLOCK_D)
+    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + columns[None, :]
+    mask = row_mask[:, None] & (columns < HEAD_DIM)[None, :]
+    o = tl.load(Out + offsets, mask=mask, other=0.0).to(COMPUTE)
+    do = tl.load(DOut + offsets, mask=mask, other=0.0).to(COMPUTE)
+    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=row_mask)
 
 
 # --- dk, dv: a program per key block ------------------------------------------------------------------
@@ -133,7 +142,7 @@ def _query_block_range(first_key, query_length, key_length, window, BLOCK_M: tl.
 
 @triton.jit
 def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, end, query_length, key_length,
-                              window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
     """Add the query blocks start … end into a key block's dk and dv. Tiles are (keys, queries):
@@ -141,8 +150,8 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
     for block_start in range(start, end, BLOCK_M):
         queries = block_start + tl.arange(0, BLOCK_M)
         # rows past query_length read as q = do = 0, so they add nothing to dk and dv
-        q = load_rows(Q, queries, query_length, HEAD_DIM, MASKED)
-        do = load_rows(DOut, queries, query_length, HEAD_DIM, MASKED)
+        q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_rows(DOut, queries, query_length, HEAD_DIM, BLOCK_D, MASKED)
         lse = load_per_query(LSE, queries, query_length, MASKED)
         delta = load_per_query(Delta, queries, query_length, MASKED)
         # pᵀ rebuilt from the saved log-sum-exp, in base 2 as the forward computed it
@@ -158,44 +167,50 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, window, scale_high,
-                               scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, group, window, scale_high,
+                               scale_low, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr,
                                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     # Key blocks fastest, in order: with a causal mask the first key blocks are seen by the most
-    # queries, so the longest programs start first.
+    # queries, so the longest programs start first. A program owns a block of one kv head.
     key_blocks = tl.cdiv(key_length, BLOCK_N)
     first_key = tl.program_id(0) % key_blocks * BLOCK_N
-    batch_head = (tl.program_id(0) // key_blocks).to(tl.int64)
-    Q += batch_head * query_length * HEAD_DIM
-    DOut += batch_head * query_length * HEAD_DIM
-    LSE += batch_head * query_length
-    Delta += batch_head * query_length
-    K += batch_head * key_length * HEAD_DIM
-    V += batch_head * key_length * HEAD_DIM
-    DK += batch_head * key_length * HEAD_DIM
-    DV += batch_head * key_length * HEAD_DIM
+    kv_head = (tl.program_id(0) // key_blocks).to(tl.int64)
+    K += kv_head * key_length * HEAD_DIM
+    V += kv_head * key_length * HEAD_DIM
+    DK += kv_head * key_length * HEAD_DIM
+    DV += kv_head * key_length * HEAD_DIM
 
     keys = first_key + tl.arange(0, BLOCK_N)
-    k = load_rows(K, keys, key_length, HEAD_DIM, True)
-    v = load_rows(V, keys, key_length, HEAD_DIM, True)
+    k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, True)
+    v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), COMPUTE)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), COMPUTE)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), COMPUTE)
 
     lo, full_lo, full_hi, hi = _query_block_range(first_key, query_length, key_length, window, BLOCK_M, BLOCK_N,
                                                   CAUSAL, WINDOWED)
-    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, lo, full_lo, query_length,
-                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
-                                       WINDOWED, DOT_PRECISION)
-    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_lo, full_hi, query_length,
-                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, False, CAUSAL,
-                                       WINDOWED, DOT_PRECISION)
-    dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, full_hi, hi, query_length,
-                                       key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_M, True, CAUSAL,
-                                       WINDOWED, DOT_PRECISION)
-    store_rows(DK, keys, key_length, dk * scale, HEAD_DIM)
-    store_rows(DV, keys, key_length, dv, HEAD_DIM)
+    # Grouped-query attention: every query head of the group reads these keys, so this program walks
+    # them one after another into the same registers. dk and dv are summed over the group in one fixed
+    # order, with no atomics: bit-identical on every run.
+    for head in range(group):
+        batch_head = kv_head * group + head
+        Qh = Q + batch_head * query_length * HEAD_DIM
+        DOuth = DOut + batch_head * query_length * HEAD_DIM
+        LSEh = LSE + batch_head * query_length
+        Deltah = Delta + batch_head * query_length
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, lo, full_lo, query_length,
+                                           key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+                                           CAUSAL, WINDOWED, DOT_PRECISION)
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, full_lo, full_hi,
+                                           query_length, key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D,
+                                           BLOCK_M, False, CAUSAL, WINDOWED, DOT_PRECISION)
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, full_hi, hi, query_length,
+                                           key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+                                           CAUSAL, WINDOWED, DOT_PRECISION)
+    store_rows(DK, keys, key_length, dk * scale, HEAD_DIM, BLOCK_D)
+    store_rows(DV, keys, key_length, dv, HEAD_DIM, BLOCK_D)
 
 
 # --- dq: a program per query block --------------------------------------------------------------------
@@ -203,13 +218,14 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
 
 @triton.jit
 def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, query_length, key_length, window,
-                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            MASKED: tl.constexpr,
                             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the key blocks start … end into a query block's dq."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, keys, key_length, HEAD_DIM, MASKED)
-        v = load_rows(V, keys, key_length, HEAD_DIM, MASKED)
+        k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
@@ -221,8 +237,9 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, q
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, window, scale_high,
-                             scale_low, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, group, window, scale_high,
+                             scale_low, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr,
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
@@ -231,26 +248,26 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
     DQ += batch_head * query_length * HEAD_DIM
     LSE += batch_head * query_length
     Delta += batch_head * query_length
-    K += batch_head * key_length * HEAD_DIM
-    V += batch_head * key_length * HEAD_DIM
+    K += batch_head // group * key_length * HEAD_DIM  # the kv head of this query head's group
+    V += batch_head // group * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, queries, query_length, HEAD_DIM, True)
-    do = load_rows(DOut, queries, query_length, HEAD_DIM, True)
+    q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, True)
+    do = load_rows(DOut, queries, query_length, HEAD_DIM, BLOCK_D, True)
     lse2 = load_per_query(LSE, queries, query_length, True) * LOG2E
     delta = load_per_query(Delta, queries, query_length, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
 
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOWED)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, lo, full_lo, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_lo, full_hi, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_hi, hi, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM)
+                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
+    store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM, BLOCK_D)
 
 
 # --- launcher ------------------------------------------------------------------------------------------
@@ -268,21 +285,24 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
                                    out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
     """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     batch, heads, query_length, head_dim = q.shape
-    key_length = k.shape[2]
+    kv_heads, key_length = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
-    tiles = backward_tiles(head_dim, q.dtype)
-    shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
+    block_d = padded_head_dim(head_dim)
+    tiles = backward_tiles(block_d, q.dtype)
+    shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, WINDOWED=causal and window > 0,
+                  COMPUTE=compute_dtype(q.dtype),
                   DOT_PRECISION=dot_input_precision(q.dtype))
     scale_halves = split_float(scale)
     with on_device(q):
         launch(_attention_bwd_delta_kernel, (cdiv(delta.numel(), DELTA_ROWS),), out, grad_out, delta, delta.numel(),
-               HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
+               HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
         tile = tiles.key_blocks
-        launch(_attention_bwd_dkdv_kernel, (cdiv(key_length, tile.block_n) * batch * heads,), q, k, v, grad_out, lse,
-               delta, grad_k, grad_v, query_length, key_length, window, *scale_halves, BLOCK_M=tile.block_m,
+        launch(_attention_bwd_dkdv_kernel, (cdiv(key_length, tile.block_n) * batch * kv_heads,), q, k, v, grad_out,
+               lse, delta, grad_k, grad_v, query_length, key_length, heads // kv_heads, window, *scale_halves,
+               BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
         if key_length == 1 or (causal and window == 1):
             # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q
@@ -290,6 +310,6 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
             return grad_q.zero_(), grad_k.zero_(), grad_v
         tile = tiles.query_blocks
         launch(_attention_bwd_dq_kernel, (cdiv(query_length, tile.block_m) * batch * heads,), q, k, v, grad_out, lse,
-               delta, grad_q, query_length, key_length, window, *scale_halves, BLOCK_M=tile.block_m,
+               delta, grad_q, query_length, key_length, heads // kv_heads, window, *scale_halves, BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
     return grad_q, grad_k, grad_v

@@ -24,9 +24,15 @@ The one idea
     One query is a matrix-vector product: a dot product of the query with each key of a block and a
     weighted sum of the value rows, in registers; tensor cores need at least 16 query rows to help.
 
+Grouped-query attention
+    q is (B, H, 1, D), k_new, v_new and the caches have Hkv heads (H a multiple of Hkv). A program owns
+    a query head and reads kv head h // (H / Hkv); only the group's first program writes the new key
+    and value to the cache (the others read them from k_new, v_new, as it does).
+
 Limits
-    head_dim 16, 32, 64, 128; q, k_new, v_new (B, H, 1, D) may be strided alike (heads split off the
-    fused projection; their last dim contiguous), the caches contiguous (B, H, capacity, D),
+    head_dim a multiple of 8 up to 256 (the row padded to a power of two, the extra columns masked);
+    q, k_new, v_new may be strided (heads split off the fused projection; their last dim contiguous;
+    k_new and v_new alike), the caches contiguous (B, Hkv, capacity, D),
     key_lengths (B,) int32 on q's device, 1 ≤ n ≤ capacity (read on the device, so not checked: an n
     outside is clamped to that range).
     float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the interpreter. No
@@ -40,72 +46,78 @@ import torch
 import triton
 import triton.language as tl
 
-from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message
 
+from .attention_tiles import padded_head_dim
 from .launch import check_inputs, compute_dtype, launch, on_device, require, split_float
 
-DECODE_BLOCK_N = 64
-"""Keys per step of the loop: 64 keys × 128 dims is 8K values of k and as many of v in flight per
-program, 64 registers a thread at 4 warps."""
+DECODE_VALUES_PER_STEP = 64 * 128
+"""Values of k per step of the loop: 64 keys × 128 dims is 8K values of k and as many of v in flight per
+program, 64 registers a thread at 4 warps. Wider rows take fewer keys a step (32 at a 256-wide tile),
+so that the registers stay the same."""
 
 
 def _check_decode_shapes(op: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, key_lengths: torch.Tensor, window: int) -> None:
-    require(q.dim() == 4 and q.shape[2] == 1 and k_new.shape == q.shape and v_new.shape == q.shape
-            and k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[:2] == q.shape[:2]
-            and k_cache.shape[3] == q.shape[3],
-            lambda: f"{op}: q, k_new, v_new must be (batch, heads, 1, head_dim) and the caches (batch, heads, capacity, "
-                    f"head_dim), got q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, "
+    require(q.dim() == 4 and q.shape[2] == 1 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_new.shape == v_new.shape and k_new.shape == (*k_cache.shape[:2], 1, q.shape[3])
+            and k_cache.shape[0] == q.shape[0] and k_cache.shape[3] == q.shape[3]
+            and (q.shape[1] == k_cache.shape[1] or (k_cache.shape[1] > 0 and q.shape[1] % k_cache.shape[1] == 0)),
+            lambda: f"{op}: q must be (batch, heads, 1, head_dim), k_new and v_new (batch, kv_heads, 1, head_dim) and "
+                    f"the caches (batch, kv_heads, capacity, head_dim), heads a multiple of kv_heads, got q "
+                    f"{tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}, "
                     f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     require(all(t.dtype == q.dtype for t in (k_new, v_new, k_cache, v_cache)),
             lambda: f"{op}: q, k_new, v_new and the caches must share a dtype, got {q.dtype}, {k_new.dtype}, "
                     f"{v_new.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    require(q.shape[3] in SUPPORTED_HEAD_DIMS,
-            lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
-                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    require(attention_head_dim_supported(q.shape[3]), lambda: f"{op}: {unsupported_head_dim_message(q.shape[3], 'Triton')}")
     require(key_lengths.dtype == torch.int32 and key_lengths.shape == q.shape[:1],
             lambda: f"{op}: key_lengths must be an int32 tensor of shape ({q.shape[0]},), got "
                     f"{key_lengths.dtype} {tuple(key_lengths.shape)}")
     require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
-    require(q.stride(3) == 1 and k_new.stride() == q.stride() and v_new.stride() == q.stride()
+    require(q.stride(3) == 1 and k_new.stride(3) == 1 and v_new.stride() == k_new.stride()
             and k_cache.is_contiguous() and v_cache.is_contiguous(),
-            lambda: f"{op}: q, k_new and v_new must share strides with a contiguous last dim, and the caches be "
-                    f"contiguous")
+            lambda: f"{op}: q, k_new and v_new must have a contiguous last dim, k_new and v_new share strides, and the "
+                    f"caches be contiguous")
 
 
 @triton.jit
-def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, capacity, stride_qb, stride_qh, window,
-                             scale_high, scale_low, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                             WINDOWED: tl.constexpr, COMPUTE: tl.constexpr):
+def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, group, capacity, stride_qb, stride_qh,
+                             stride_kvb, stride_kvh, window, scale_high, scale_low, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+                             COMPUTE: tl.constexpr):
     sequence_head = tl.program_id(0).to(tl.int64)
-    sequence = sequence_head // heads
-    dims = tl.arange(0, HEAD_DIM)
+    sequence, head = sequence_head // heads, sequence_head % heads
+    kv_sequence_head = sequence_head // group  # = sequence · kv_heads + head // group
+    dims = tl.arange(0, BLOCK_D)
+    in_row = dims < HEAD_DIM  # the padding columns past HEAD_DIM read 0 and are never written
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
-    token = sequence * stride_qb + (sequence_head % heads) * stride_qh + dims
-    q = tl.load(Q + token).to(COMPUTE) * scale
-    k_new = tl.load(KNew + token)
-    v_new = tl.load(VNew + token)
+    q = tl.load(Q + sequence * stride_qb + head * stride_qh + dims, mask=in_row, other=0.0).to(COMPUTE) * scale
+    kv_token = sequence * stride_kvb + head // group * stride_kvh + dims
+    k_new = tl.load(KNew + kv_token, mask=in_row, other=0.0)
+    v_new = tl.load(VNew + kv_token, mask=in_row, other=0.0)
     filled = tl.minimum(tl.maximum(tl.load(KeyLengths + sequence), 1), capacity)  # the new token is one
     first = 0
     if WINDOWED:
         first = tl.maximum(filled - window, 0)
-    K += sequence_head * capacity * HEAD_DIM
-    V += sequence_head * capacity * HEAD_DIM
-    tl.store(K + (filled - 1) * HEAD_DIM + dims, k_new)  # for the steps after this one
-    tl.store(V + (filled - 1) * HEAD_DIM + dims, v_new)
+    K += kv_sequence_head * capacity * HEAD_DIM
+    V += kv_sequence_head * capacity * HEAD_DIM
+    if head % group == 0:  # one program of the group stores, for the steps after this one
+        tl.store(K + (filled - 1) * HEAD_DIM + dims, k_new, mask=in_row)
+        tl.store(V + (filled - 1) * HEAD_DIM + dims, v_new, mask=in_row)
     running_max = tl.full((), float("-inf"), COMPUTE)
     running_sum = tl.zeros((), COMPUTE)
-    acc = tl.zeros((HEAD_DIM,), COMPUTE)
+    acc = tl.zeros((BLOCK_D,), COMPUTE)
     for start in range(first, filled - 1, BLOCK_N):  # the keys cached before this step
         keys = start + tl.arange(0, BLOCK_N)
         visible = keys < filled - 1
         offsets = keys.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(K + offsets, mask=visible[:, None], other=0.0).to(COMPUTE)
+        k = tl.load(K + offsets, mask=visible[:, None] & in_row[None, :], other=0.0).to(COMPUTE)
         scores = tl.where(visible, tl.sum(k * q[None, :], axis=1), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         rescale = tl.exp(running_max - new_max)
         p = tl.exp(scores - new_max)
-        v = tl.load(V + offsets, mask=visible[:, None], other=0.0).to(COMPUTE)
+        v = tl.load(V + offsets, mask=visible[:, None] & in_row[None, :], other=0.0).to(COMPUTE)
         acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
         running_sum = running_sum * rescale + tl.sum(p, axis=0)
         running_max = new_max
@@ -115,7 +127,7 @@ def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, capaci
     rescale = tl.exp(running_max - new_max)
     p = tl.exp(score - new_max)
     out = (acc * rescale + p * v_new.to(COMPUTE)) / (running_sum * rescale + p)
-    tl.store(Out + sequence_head * HEAD_DIM + dims, out.to(Out.dtype.element_ty))
+    tl.store(Out + sequence_head * HEAD_DIM + dims, out.to(Out.dtype.element_ty), mask=in_row)
 
 
 def launch_attention_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
@@ -128,8 +140,10 @@ def launch_attention_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
         return out
     with on_device(q):
         launch(_attention_decode_kernel, (batch * heads,), q, k_new, v_new, k_cache, v_cache, out, key_lengths, heads,
-               k_cache.shape[2], q.stride(0), q.stride(1), window, *split_float(scale), HEAD_DIM=head_dim,
-               BLOCK_N=DECODE_BLOCK_N, WINDOWED=window > 0, COMPUTE=compute_dtype(q.dtype), num_warps=4)
+               heads // k_cache.shape[1], k_cache.shape[2], q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+               window, *split_float(scale), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+               BLOCK_N=DECODE_VALUES_PER_STEP // max(128, padded_head_dim(head_dim)), WINDOWED=window > 0,
+               COMPUTE=compute_dtype(q.dtype), num_warps=4)
     return out
 
 

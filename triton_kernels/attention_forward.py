@@ -29,7 +29,7 @@ The one idea that makes it fast
     2^(x·log2 e), and the factor log2 e is folded into the score scale once.
 
 Launch
-    ``forward_tile``: a fixed table per head dim for 16-bit inputs, measured on an H100 (see
+    ``forward_tile``: a fixed table per tile width for 16-bit inputs, measured on an H100 (see
     FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take
     smaller tiles (``attention_tiles.wide_float_tile``), as their products run on the CUDA cores or the
     float64 tensor cores with operands held in registers.
@@ -47,9 +47,10 @@ Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medi
     tensor cores).
 
 Limits
-    head_dim 16, 32, 64, 128; any sequence lengths (the last blocks are masked); float16, bfloat16,
-    float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32 (float64
-    for float64); float32 and float64 under the CPU interpreter. Contiguous (B, H, L, D) inputs.
+    head_dim a multiple of 8 up to 256 (tiles padded to a power of two, attention_tiles.py); k and v may have
+    fewer heads than q (grouped-query attention); any sequence lengths (the last blocks are masked); float16,
+    bfloat16, float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32
+    (float64 for float64); float32 and float64 under the CPU interpreter. Contiguous (B, H, L, D) inputs.
 
 Check
     python -m pytest tests -k "attention and triton"
@@ -67,6 +68,7 @@ from .attention_tiles import (
     key_block_range,
     keys_visible,
     load_rows,
+    padded_head_dim,
     query_block_of_program,
     store_rows,
     wide_float_tile,
@@ -90,8 +92,10 @@ FORWARD_TILES = {
     32: AttentionTile(128, 64, 4, 3),
     64: AttentionTile(128, 64, 8, 3),
     128: AttentionTile(128, 64, 8, 3),
+    256: AttentionTile(64, 32, 8, 2),
 }
-"""Forward tiles for float16 and bfloat16, per head dim, measured on an H100 (batch 4, 16 heads,
+"""Forward tiles for float16 and bfloat16, per tile width (the head dim rounded up to a power of two,
+``padded_head_dim``), measured on an H100 (batch 4, 16 heads,
 seq 4096, causal, bfloat16). 128 queries a program: two warpgroups of the tensor cores' 64-row
 instructions, and each k, v block loaded is reused by 128 queries. Key blocks of 64 keep the score
 tile, the accumulator and three loads in flight within the registers and shared memory of one SM.
@@ -105,13 +109,20 @@ WINDOW_TILE = AttentionTile(64, 64, 4, 3)
 loop, decides the time: 64 queries a program doubles the programs and halves the last wave's idle
 SMs. Measured on an H100 (bfloat16, (1, 4, 16384, 128), window 1024, do_bench): 0.110 ms against
 0.121 ms with the causal tile (128, 64, 8, 3), whose full causal run takes 0.561 ms (64-query tiles
-there: 0.635 ms)."""
+there: 0.635 ms).
+
+Tile width 256 (head dims 136 … 256) is chosen by arithmetic, not yet measured: the 128-wide tile would
+hold a (128, 256) float32 accumulator, 128 registers a thread over 8 warps besides q and the scores,
+and (128 + 2 stages × 2 × 64) rows × 512 bytes = 192 KB of shared memory, one program per SM at best.
+64 queries against 32-key blocks in 2 stages need 64 × 512 + 2 × 2 × 32 × 512 = 96 KB (of the 227 KB
+a block may have on an H100) and 64 accumulator registers a thread over 8 warps, so two programs fit
+an SM. The sliding-window tile keeps this shape at 256 too."""
 
 
-def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
+def forward_tile(block_d: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
     if dtype.itemsize != 2:
-        return wide_float_tile(head_dim)
-    return WINDOW_TILE if windowed else FORWARD_TILES[head_dim]
+        return wide_float_tile(block_d)
+    return WINDOW_TILE if windowed and block_d <= 128 else FORWARD_TILES[block_d]
 
 
 # --- forward -----------------------------------------------------------------------------------------
@@ -119,12 +130,13 @@ def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> A
 
 @triton.jit
 def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, window,
-                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MASKED: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, keys, key_length, HEAD_DIM, MASKED)
+        k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units
         if MASKED:
             scores = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window,
@@ -136,7 +148,7 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
         p = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = load_rows(V, keys, key_length, HEAD_DIM, MASKED)
+        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
         # the compute precision (out_dtype: a float64 accumulator must say so, tl.dot's default is float32).
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
@@ -145,39 +157,39 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, window, scale_high, scale_low,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, window, scale_high, scale_low,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)
     Q += batch_head * query_length * HEAD_DIM
     Out += batch_head * query_length * HEAD_DIM
     LSE += batch_head * query_length
-    K += batch_head * key_length * HEAD_DIM
-    V += batch_head * key_length * HEAD_DIM
+    K += batch_head // group * key_length * HEAD_DIM  # the kv head of this query head's group
+    V += batch_head // group * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, queries, query_length, HEAD_DIM, True)  # stays on chip for the whole loop
+    q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, True)  # stays on chip for the whole loop
     qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), COMPUTE)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
 
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WINDOWED)
     acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
                                                  True, CAUSAL, WINDOWED, DOT_PRECISION)
     acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_lo, full_hi,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
                                                  False, CAUSAL, WINDOWED, DOT_PRECISION)
     acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_hi, hi,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_N,
+                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
                                                  True, CAUSAL, WINDOWED, DOT_PRECISION)
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
     query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)
-    store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM)
+    store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM, BLOCK_D)
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
@@ -193,11 +205,13 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         return out, lse
     if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
         return out.zero_(), lse.fill_(float("-inf"))
-    tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
+    block_d = padded_head_dim(head_dim)
+    tile = forward_tile(block_d, q.dtype, windowed=causal and window > 0)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
-        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, window,
-               *split_float(scale), HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, CAUSAL=causal,
+        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, heads // k.shape[1],
+               window, *split_float(scale), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile.block_m,
+               BLOCK_N=tile.block_n, CAUSAL=causal,
                WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
                DOT_PRECISION=dot_input_precision(q.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse

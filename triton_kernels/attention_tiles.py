@@ -2,6 +2,14 @@
 the tile shape, the input checks, and the @triton.jit helpers every kernel calls: which query block a
 program owns, masked and unmasked row loads, the visibility mask, and the runs of key blocks a query
 block sees. Each is written once, so the forward and the two backward kernels mask alike.
+
+Head dims that are not a power of two. ``tl.arange`` (and so every tile) needs a power-of-two length,
+so a head dim D runs on a tile BLOCK_D = ``padded_head_dim(D)`` wide: the tensors stay (…, D) in memory,
+loads fill columns D … BLOCK_D − 1 with 0 (a zero column adds nothing to q·kᵀ, and p·v then gives zero
+there) and stores skip them. At a power of two BLOCK_D == D and the column mask compiles away.
+
+Grouped-query attention. k and v may have fewer heads than q (H a multiple of Hkv): a program of query
+head batch·H + h reads kv head batch·Hkv + h // group, which is simply (batch·H + h) // group.
 """
 
 from typing import NamedTuple
@@ -10,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cuda_kernels.limits import ATTENTION_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message
 
 from .launch import accumulator_dtype, check_contiguous, require
 
@@ -25,32 +33,42 @@ class AttentionTile(NamedTuple):
     num_warps: int
     num_stages: int  # loads in flight in the software pipeline of the key (or query) loop
 
-def wide_float_tile(head_dim: int) -> AttentionTile:
-    """The tile of every attention kernel for float32 and float64 inputs. float32 ("ieee") products
-    run on the CUDA cores and float64 ones on the double-precision tensor cores, each thread holding
-    its share of both operands in registers along the whole head dim: 32 × 32 tiles over 8 warps fit
-    up to head_dim 64, at 128 the key side halves to 16 (32 × 32 spilled registers to local memory,
-    read off the compiler's resource report for sm_90)."""
-    return AttentionTile(32, 32 if head_dim <= 64 else 16, 8, 2)
+
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width of a head dim: the next power of two, at least 16 (tl.dot's smallest k)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def wide_float_tile(block_d: int) -> AttentionTile:
+    """The tile of every attention kernel for float32 and float64 inputs, by tile width. float32
+    ("ieee") products run on the CUDA cores and float64 ones on the double-precision tensor cores,
+    each thread holding its share of both operands in registers along the whole head dim: 32 × 32
+    tiles over 8 warps fit up to head_dim 64, at 128 the key side halves to 16 (32 × 32 spilled
+    registers to local memory, read off the compiler's resource report for sm_90). At 256 the query
+    side halves too, over 4 warps: a 16 × 256 float32 operand is 32 registers a thread, as 32 × 128
+    is over 8 (chosen by that arithmetic, not yet measured)."""
+    if block_d <= 128:
+        return AttentionTile(32, 32 if block_d <= 64 else 16, 8, 2)
+    return AttentionTile(16, 16, 4, 2)
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
 def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                            window: int, like_q: dict | None = None, per_query: dict | None = None) -> None:
-    """q is (B, H, Lq, D), k and v are (B, H, Lk, D) of q's dtype, D a supported head dim, and causal
-    attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query`` ones are (B, H, Lq) statistics
-    in the accumulator dtype. All contiguous."""
+    """q is (B, H, Lq, D), k and v are (B, Hkv, Lk, D) of q's dtype with H a multiple of Hkv, D a
+    supported head dim, and causal attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query``
+    ones are (B, H, Lq) statistics in the accumulator dtype. All contiguous."""
     require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
             lambda: f"{op}: q, k, v must be (batch, heads, seq, head_dim), got shapes {tuple(q.shape)}, "
                     f"{tuple(k.shape)}, {tuple(v.shape)}")
-    require(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3],
-            lambda: f"{op}: shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    require(k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]
+            and (q.shape[1] == k.shape[1] or (k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0)),
+            lambda: f"{op}: shapes do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                    f"(q's heads must be a multiple of k's and v's)")
     require(k.dtype == q.dtype and v.dtype == q.dtype,
             lambda: f"{op}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    require(q.shape[3] in SUPPORTED_HEAD_DIMS,
-            lambda: f"{op}: head_dim {q.shape[3]} is not supported by the Triton attention kernel "
-                    f"(supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    require(attention_head_dim_supported(q.shape[3]), lambda: f"{op}: {unsupported_head_dim_message(q.shape[3], 'Triton')}")
     require(window >= 0, lambda: f"{op}: window must be ≥ 0 (0: no window), got {window}")
     require(causal or window == 0, lambda: f"{op}: a sliding window (here {window}) looks back from each query, "
                                            f"so it needs causal=True")
@@ -81,23 +99,32 @@ def query_block_of_program(query_length, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one tile. MASKED: rows past row_count read
-    as 0; blocks known to lie inside skip the compare and load as plain 16-byte copies."""
-    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one (rows, BLOCK_D) tile; columns past
+    HEAD_DIM read as 0. MASKED: rows past row_count read as 0; blocks known to lie inside skip the
+    compare and, at a power-of-two head dim, load as plain 16-byte copies."""
+    columns = tl.arange(0, BLOCK_D)
+    offsets = rows[:, None] * HEAD_DIM + columns[None, :]
     if MASKED:
-        tile = tl.load(Base + offsets, mask=(rows < row_count)[:, None], other=0.0)
+        mask = (rows < row_count)[:, None]
+        if BLOCK_D != HEAD_DIM:
+            mask = mask & (columns < HEAD_DIM)[None, :]
+        tile = tl.load(Base + offsets, mask=mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        tile = tl.load(Base + offsets, mask=(columns < HEAD_DIM)[None, :], other=0.0)
     else:
         tile = tl.load(Base + offsets)
     return tile
 
 
 @triton.jit
-def store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr):
-    """Write ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype; rows past
-    row_count are skipped."""
-    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(Base + offsets, tile.to(Base.dtype.element_ty), mask=(rows < row_count)[:, None])
+def store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write a (rows, BLOCK_D) ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype;
+    rows past row_count and columns past HEAD_DIM are skipped."""
+    columns = tl.arange(0, BLOCK_D)
+    offsets = rows[:, None] * HEAD_DIM + columns[None, :]
+    tl.store(Base + offsets, tile.to(Base.dtype.element_ty),
+             mask=(rows < row_count)[:, None] & (columns < HEAD_DIM)[None, :])
 
 
 @triton.jit
