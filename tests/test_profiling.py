@@ -14,7 +14,13 @@ import levels
 from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
 from profiling.gpu_suite import FASTEST_REFERENCE, Target
-from profiling.timing import time_back_to_back, time_runs, time_side_by_side
+from profiling.timing import Timing, time_back_to_back, time_runs, time_side_by_side
+
+
+def test_spread_stays_within_the_samples():
+    # Five samples far apart, as a busy machine gives: the deciles must not extrapolate past them.
+    timing = Timing.from_samples([0.001, 0.002, 0.2, 0.4, 0.9], runs=5)
+    assert 0.001 <= timing.p10_s <= timing.median_s <= timing.p90_s <= 0.9
 
 
 def test_one_row_per_level_plus_reference_rows():
