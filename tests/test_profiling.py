@@ -28,10 +28,13 @@ def test_one_row_per_level_plus_reference_rows():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     table = compare_optimization_levels("layer_norm", (16, 64), device=device, levels=["native", 4, "cuda"],
                                         backward=True, budget_s=0.05, progress=False)
+    # PyTorch's kernel, and Liger-Kernel's where it is installed and a GPU is here (an optional peer).
+    references = list(levels.build("layer_norm", "native", normalized_shape=64).reference_modules(device))
+    assert references[0] == "F.layer_norm (PyTorch fused)"
     assert list(table.columns) == COLUMNS
-    assert list(table["level"]) == ["native", "triton", "cuda", "F.layer_norm (PyTorch fused)"]
-    assert list(table["title"]) == ["1 native PyTorch", "4 Triton", "5 CUDA C++", "F.layer_norm (PyTorch fused)"]
-    assert list(table["kind"]) == ["level", "level", "level", "reference"]
+    assert list(table["level"]) == ["native", "triton", "cuda", *references]
+    assert list(table["title"]) == ["1 native PyTorch", "4 Triton", "5 CUDA C++", *references]
+    assert list(table["kind"]) == ["level", "level", "level"] + ["reference"] * len(references)
     assert (table["status"] == "ok").all(), table["status"].tolist()
     assert table["within_tolerance"].all()
     assert table["speedup"].iloc[0] == pytest.approx(1.0)
