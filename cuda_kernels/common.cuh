@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -101,6 +102,76 @@ inline int row_threads(int64_t n, int values_per_thread) {
   return static_cast<int>(ceil_div(ceil_div(n, values_per_thread), kWarpSize) * kWarpSize);
 }
 
+// --- row strategies shared by the row-wise kernels (softmax.cu, layer_norm.cu, layer_norm_long_rows.cuh)
+// Short rows: a group of kLanes lanes per row, 128 bytes of the row per lane in registers (32 floats,
+// 16 doubles); a warp takes 32 / kLanes rows, a block kWarpsPerBlock warps.
+template <typename A> constexpr int kLaneRowValues = 128 / static_cast<int>(sizeof(A));
+constexpr int kWarpsPerBlock = 4;  // 128-thread blocks
+
+// Calls fn(std::integral_constant<int, kLanes>{}) with the fewest lanes (a power of two) whose
+// registers hold a row of n values, kLaneRowValues each.
+template <typename A, typename Fn>
+void dispatch_lanes_per_row(int64_t n, Fn&& fn) {
+  const int64_t lanes = ceil_div(n, kLaneRowValues<A>);
+  if (lanes <= 1) fn(std::integral_constant<int, 1>{});
+  else if (lanes <= 2) fn(std::integral_constant<int, 2>{});
+  else if (lanes <= 4) fn(std::integral_constant<int, 4>{});
+  else if (lanes <= 8) fn(std::integral_constant<int, 8>{});
+  else if (lanes <= 16) fn(std::integral_constant<int, 16>{});
+  else fn(std::integral_constant<int, 32>{});
+}
+
+// The most of a row one block stages in shared memory: 64 KB leaves room for 3 blocks an SM, so one
+// block's copies fly while another reduces and a third writes. A cluster of up to kMaxClusterBlocks
+// blocks (Hopper's largest; beyond 8 is "non-portable", opted into) holds a row of 16 such slices.
+constexpr int64_t kSharedRowBytes = 64 * 1024;
+constexpr int kMaxClusterBlocks = 16;
+// Split rows: enough blocks for 4 per SM, each slice at least 64 KB so a block's fixed cost is small.
+constexpr int kSplitBlocksPerSM = 4;
+constexpr int64_t kMinSliceBytes = 64 * 1024;
+
+// How many slices each of `rows` rows of row_bytes is split into (1: none). Only rows longer than one
+// block or one cluster holds on chip (held_on_chip bytes, in shared memory or registers) are split, into
+// enough slices for kSplitBlocksPerSM blocks an SM over all rows, none under kMinSliceBytes.
+inline int64_t row_splits(int64_t rows, int64_t row_bytes, int64_t held_on_chip) {
+  if (row_bytes <= held_on_chip) return 1;
+  const int64_t wanted = ceil_div(int64_t{kSplitBlocksPerSM} * multiprocessor_count(), rows);
+  return std::max<int64_t>(1, std::min(wanted, row_bytes / kMinSliceBytes));
+}
+
+// Whether `kernel` was loaded from an sm_90 (or later) image, and so may use clusters and distributed
+// shared memory: cudaFuncGetAttributes reports the image this device loaded, so an older build or GPU
+// answers false and the launcher takes another kernel. Callers cache the answer (a static).
+template <typename Kernel>
+bool compiled_for_clusters(Kernel kernel) {
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return false;
+  return attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
+}
+
+// Launches kernel(args...) on `blocks` blocks of `threads` in clusters of cluster_blocks (1-D, up to 16),
+// each block with shared_bytes of dynamic shared memory (beyond 48 KB it must be asked for, per device,
+// so on every launch).
+template <typename... Params, typename... Args>
+void launch_in_clusters(void (*kernel)(Params...), int64_t blocks, int cluster_blocks, int threads, int shared_bytes,
+                        cudaStream_t stream, Args... args) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);  // clusters of 9 to 16
+  cudaLaunchAttribute cluster_shape;
+  cluster_shape.id = cudaLaunchAttributeClusterDimension;
+  cluster_shape.val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
+  cluster_shape.val.clusterDim.y = 1;
+  cluster_shape.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  config.stream = stream;
+  config.attrs = &cluster_shape;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 // exp in the accumulator type. __expf is the hardware's exp2 unit (MUFU.EX2) after one multiply by
 // log2(e): a few ulp, without the ~20 instructions and slow-path branch of IEEE expf. Float64 keeps exp.
 __device__ __forceinline__ float exp_acc(float v) { return __expf(v); }
@@ -127,6 +198,19 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 template <int kPending>
 __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Copies a slice of n_packs 16-byte packs from global into shared memory and waits for it. Each thread
+// copies (and its caller later reads) only its own packs t, t + blockDim.x, ..., so its own wait is all
+// the ordering it needs: no barrier. Nothing is held in registers while the copies fly.
+template <typename T>
+__device__ __forceinline__ void stage_slice(const T* global_slice, T* staged, int n_packs) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    copy_async_16(staged + pack * kVec, global_slice + pack * kVec, true);
+  }
+  copy_async_commit();
+  copy_async_wait<0>();
 }
 
 // --- reductions ----------------------------------------------------------------------------------

@@ -79,27 +79,32 @@ void launch_swish_backward(DType dtype, const void* grad_out, const void* x, voi
 
 // y = (x - mean) * rstd * weight + bias over each row of x (rows, n); writes mean and rstd (rows,).
 void launch_layer_norm_forward(DType dtype, const void* x, const void* weight, const void* bias, void* y,
-                               void* mean, void* rstd, int64_t rows, int64_t n, double eps, void* stream);
+                               void* mean, void* rstd, int64_t rows, int64_t n, double eps, int64_t splits,
+                               void* partials, void* stream);
+// How many slices the LayerNorm and RMSNorm forwards split each row into (1: none): rows too long for an
+// SM (or a cluster of them) to hold, and too few to fill the GPU. With splits > 1 the launchers need
+// `partials`, rows * splits (count, mean, M2) triples of the accumulator type (float; double for float64).
+int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n);
 
-// How many rows of partial weight/bias gradients the backward wants: one per block of its persistent
-// grid (as many blocks as fit on the GPU at once, never more than `rows`). The caller allocates a
-// workspace of 2 * partial_rows * n statistics-type values (kernels never allocate memory).
-int64_t layer_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n);
+// How much scratch the backward wants, in statistics-type values (float; double for float64): partial
+// weight/bias gradient rows, one per block of its persistent grid (as many blocks as fit on the GPU at
+// once, never more than `rows`), or for few long rows a pair of row sums per column slice of each row.
+// The caller allocates it (kernels never allocate memory).
+int64_t layer_norm_backward_workspace(DType dtype, int64_t rows, int64_t n);
 
 // grad_x (rows, n), grad_weight and grad_bias (n,) in `dtype`. `workspace` is scratch, see above.
 void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight,
                                 const void* mean, const void* rstd, void* grad_x, void* grad_weight,
-                                void* grad_bias, void* workspace, int64_t partial_rows, int64_t rows,
-                                int64_t n, void* stream);
+                                void* grad_bias, void* workspace, int64_t rows, int64_t n, void* stream);
 
 // RMSNorm (layer_norm.cu's kernels without the mean and the bias): y = x * rstd * w, rstd (rows,) saved.
 void launch_rms_norm_forward(DType dtype, const void* x, const void* weight, void* y, void* rstd, int64_t rows,
-                             int64_t n, double eps, void* stream);
-// As LayerNorm's, for a workspace of partial_rows * n statistics-type values (dw only).
-int64_t rms_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n);
+                             int64_t n, double eps, int64_t splits, void* partials, void* stream);
+// As LayerNorm's (partial rows of dw only).
+int64_t rms_norm_backward_workspace(DType dtype, int64_t rows, int64_t n);
 void launch_rms_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight, const void* rstd,
-                              void* grad_x, void* grad_weight, void* workspace, int64_t partial_rows, int64_t rows,
-                              int64_t n, void* stream);
+                              void* grad_x, void* grad_weight, void* workspace, int64_t rows, int64_t n,
+                              void* stream);
 
 // softmax over each row of x (rows, n).
 void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, int64_t splits,

@@ -9,12 +9,24 @@
 //              dx = rstd*(g - xhat*mean(g*xhat)), dw as above. Every kernel takes a template parameter
 //              kSubtractMean; its `false` instance drops the mean reduction, the bias and db at compile time.
 //
-// Kernels, in the order they run (the backward's in layer_norm_backward.cu)
-//   layer_norm_forward_kernel           one block per row; the row sits in registers (four 16-byte
-//                                       packs per thread): read once, mean, then variance of the centred values
-//                                       (exact two-pass, no second read), normalise, write once
-//   layer_norm_forward_looped_kernel    rows too long for registers: the same exact two-pass math, but
-//                                       each pass (mean, variance, output) re-reads the row, from L2
+// Kernels, by row length (the forward's launcher picks; the long-row ones are in layer_norm_long_rows.cuh,
+// the backward's in layer_norm_backward.cu)
+//   layer_norm_forward_warp_kernel      short rows (up to 32 values per lane x 32 lanes): a group of 1 to
+//                                       32 lanes per row, the row in registers, reduced with shuffles, so
+//                                       128-value rows keep all 32 lanes of a warp busy (8 rows a warp)
+//   layer_norm_forward_kernel           rows of up to 32 KB: one block per row; the row sits in registers
+//                                       (four 16-byte packs per thread): read once, mean, then variance of
+//                                       the centred values (exact two-pass, no second read), normalise,
+//                                       write once
+//   layer_norm_forward_cluster_kernel   rows of up to 16 x 64 KB, Hopper (sm_90) and later: a thread-block
+//                                       CLUSTER per row, each block staging a 64 KB slice in shared memory;
+//                                       the blocks swap their slices' (count, mean, M2) through distributed
+//                                       shared memory, so the row is still read from HBM once
+//   layer_norm_partials_kernel +        longer rows when there are too few of them to fill the GPU (or no
+//   layer_norm_normalise_kernel         clusters): each row split over many blocks; pass 1 writes each
+//                                       slice's (count, mean, M2), pass 2 merges its row's and re-reads x
+//   layer_norm_forward_looped_kernel    long rows, enough of them (or not in 16-byte packs): one block per
+//                                       row, each pass (mean, variance, output) re-reading the row, from L2
 //                                       when it is still there
 //   layer_norm_backward_kernel          a persistent grid: each block walks rows blockIdx.x, + gridDim.x,
 //                                       ... holding x, dy in registers; writes dx, and keeps its running
@@ -26,23 +38,32 @@
 // The one idea that makes it fast
 //   Every element crosses DRAM the fewest times the math allows: x read once and y written once
 //   forward; x, dy read once and dx written once backward. Reductions happen in registers (warp
-//   shuffles) and one small shared-memory pass. Each thread owns the same columns in every row, so the
-//   cross-row sums dw, db need neither atomics nor a second pass over x and dy.
+//   shuffles) and one small shared-memory pass. A row's statistics merge: slices of a row become
+//   (count, mean, M2) triples combined with Chan's formula (exact, no sum-of-squares cancellation), so a
+//   row too long for one SM is held by a cluster of SMs, or split over many blocks when the rows are too
+//   few for 132 SMs. Each backward thread owns the same columns in every row, so the cross-row sums
+//   dw, db need neither atomics nor a second pass over x and dy.
 //
 // Limits
-//   Any n >= 1. Rows of up to 16384 half-precision values (8192 float32, 4096 float64) are held in
-//   registers forward, 8192 (4096 float64) backward. Longer rows loop: the forward reads them three times, the backward twice (the
-//   re-reads come from L2 while the rows in flight fit there). 16-byte loads need n to be a multiple of
-//   the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers, else 1-element loads.
-//   One block per row forward: fewer rows than SMs leave SMs idle. rows < 2^31.
+//   Any n >= 1. Forward: rows of up to 1024 float32/half-precision values (512 float64) in a few lanes'
+//   registers, up to 32 KB in a block's registers, up to 1 MB (16 x 64 KB) in a cluster's shared memory
+//   on sm_90+ when n is a multiple of the pack width; longer rows, rows on older GPUs and rows not in
+//   16-byte packs are split (too few rows to fill the GPU: x read twice, the second time from L2 while it
+//   fits) or looped (x read three times). Backward: 8192 values (4096 float64) in registers, longer rows
+//   read twice: by one block per row, or, when the rows are fewer than the blocks the GPU holds at once,
+//   by column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads need n to be
+//   a multiple of the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers, else
+//   1-element loads. rows < 2^31.
 //   float16, bfloat16, float32 (statistics and sums in float32) and float64.
 //
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/layer_norm.cu -o /tmp/layer_norm.o
 //   python -m pytest tests -k "(layer_norm or rms_norm) and cuda"
+//   python -m profiling --sweep row_length --component layer_norm rms_norm
 #include <algorithm>
 
 #include "common.cuh"
+#include "layer_norm_long_rows.cuh"
 
 namespace kernel_ladder {
 
@@ -59,23 +80,74 @@ template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeo
 
 // --- forward -------------------------------------------------------------------------------------
 
-// y for one pack of the row from its values in registers; weight and bias are shared by every row and
-// stay in L1/L2, so they use ordinary loads, while y is written once (streaming store).
-template <typename T, int kVec, bool kSubtractMean>
-__device__ __forceinline__ void write_normalized_pack(T* y_row, const T* weight, const T* bias, int64_t pack,
-                                                      const Acc<T> (&values)[kVec], Acc<T> mean, Acc<T> rstd) {
-  const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
-  Pack<T, kVec> b{};
-  if constexpr (kSubtractMean) b = load_pack<T, kVec>(bias + pack * kVec);
-  Pack<T, kVec> out;
+// Short rows (up to 32 values a lane x 32 lanes): a group of kLanes lanes per row (softmax.cu's layout),
+// so 128-value rows keep every lane of a warp busy (8 rows a warp) where a block per row idled most of
+// its threads. The row stays in registers for LayerNorm's two exact passes (mean, then the squares of
+// the centred values), each reduced with kLanes-wide shuffles: no shared memory, no barrier.
+template <typename T, int kVec, int kLanes, bool kSubtractMean>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                               T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                               int64_t rows, int64_t n, Acc<T> eps) {
+  using A = Acc<T>;
+  constexpr int kPacks = kLaneRowValues<A> / kVec;
+  constexpr int kRowsPerWarp = kWarpSize / kLanes;
+  const int64_t first_row_of_warp = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kRowsPerWarp;
+  if (first_row_of_warp >= rows) return;  // a whole warp leaves: no shuffle waits for it
+  // Lanes past the last row stay for the shuffles (which take the whole warp) but read and write nothing.
+  const int64_t row = first_row_of_warp + threadIdx.x % kWarpSize / kLanes;
+  const bool row_exists = row < rows;
+  const int lane = static_cast<int>(threadIdx.x) % kLanes;
+  const int n_packs = static_cast<int>(n / kVec);
+  const T* x_row = x + row * n;
+  // Lane l of the group owns packs l, l + kLanes, ...: the group reads kLanes adjacent packs at each step.
+  A values[kPacks][kVec];
+  A sum = 0;
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const Acc<T> scaled = (values[j] - mean) * rstd * to_acc(w.val[j]);
-    out.val[j] = from_acc<T>(kSubtractMean ? scaled + to_acc(b.val[j]) : scaled);
+  for (int k = 0; k < kPacks; ++k) {
+    const int pack = lane + k * kLanes;
+    const bool inside = row_exists && pack < n_packs;
+    Pack<T, kVec> in;
+    if (inside) in = load_pack_once<T, kVec>(x_row + pack * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      values[k][j] = inside ? to_acc(in.val[j]) : A(0);
+      sum += values[k][j];
+    }
   }
-  store_pack_once<T, kVec>(y_row + pack * kVec, out);
+  A mean = 0;  // RMSNorm's: no reduction for it
+  if constexpr (kSubtractMean) mean = warp_reduce<kLanes>(sum, Add{}) / A(n);
+  A squares = 0;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const bool inside = row_exists && lane + k * kLanes < n_packs;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const A centred = inside ? values[k][j] - mean : A(0);
+      squares += centred * centred;
+    }
+  }
+  const A rstd = rsqrt(warp_reduce<kLanes>(squares, Add{}) / A(n) + eps);
+  if (!row_exists) return;
+  if (lane == 0) {
+    if constexpr (kSubtractMean) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  // From this lane's first column, its k-th pack is at a compile-time offset: one address per array
+  // rather than one per pack, which on scalar rows (32 packs a lane) made ptxas spill.
+  const int64_t first_column = int64_t{lane} * kVec;
+  T* y_lane = y + row * n + first_column;
+  const T* weight_lane = weight + first_column;
+  const T* bias_lane = kSubtractMean ? bias + first_column : bias;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    if (lane + k * kLanes < n_packs) {
+      write_normalized_pack<T, kVec, kSubtractMean>(y_lane, weight_lane, bias_lane, k * kLanes, values[k], mean, rstd);
+    }
+  }
 }
 
+// Rows of up to 32 KB: one block per row, the row in registers (kForwardValues a thread).
 template <typename T, int kVec, bool kSubtractMean>
 __global__ void __launch_bounds__(kForwardMaxThreads)
 layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
@@ -126,86 +198,72 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   }
 }
 
-// Rows longer than the registers hold: the register kernel's math, with the row read once per pass.
-// Plain (caching) loads: the next pass wants the row still in L2.
-template <typename T, int kVec, bool kSubtractMean>
-__global__ void __launch_bounds__(kMaxThreads)
-layer_norm_forward_looped_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
-                                 T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
-                                 int64_t n, Acc<T> eps) {
-  using A = Acc<T>;
-  const T* x_row = x + static_cast<int64_t>(blockIdx.x) * n;
-  const int64_t n_packs = n / kVec;
-  A mean = 0;  // RMSNorm's: no pass for it
-  if constexpr (kSubtractMean) {
-    A sum = 0;
-    for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-      const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) sum += to_acc(in.val[j]);
-    }
-    mean = block_sum(sum) / A(n);
-  }
-  A squares = 0;
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) squares += (to_acc(in.val[j]) - mean) * (to_acc(in.val[j]) - mean);
-  }
-  const A rstd = rsqrt(block_sum(squares) / A(n) + eps);
-  if (threadIdx.x == 0) {
-    if constexpr (kSubtractMean) mean_out[blockIdx.x] = mean;
-    rstd_out[blockIdx.x] = rstd;
-  }
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-    A values[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-    write_normalized_pack<T, kVec, kSubtractMean>(y + static_cast<int64_t>(blockIdx.x) * n, weight, bias, pack, values, mean, rstd);
-  }
-}
-
 // --- launchers -----------------------------------------------------------------------------------
-// The register kernel and its looped twin take the same arguments, so a launcher picks a kernel pointer
-// and a block size, then launches once. LayerNorm's launcher and RMSNorm's are one template; RMSNorm
-// passes null for the mean and the bias, which its kernels never touch.
+// LayerNorm's launcher and RMSNorm's are one template; RMSNorm passes null for the mean and the bias,
+// which its kernels never touch. By row length: a few lanes, a block's registers, then the long-row
+// kernels of layer_norm_long_rows.cuh (a cluster, a split or a looped block per row).
 
-template <typename T, int kVec, bool kSubtractMean>
-auto forward_kernel_for(int64_t n, int* threads) {
-  const bool in_registers = n <= int64_t{kForwardMaxThreads} * kForwardValues<T>;
-  *threads = in_registers ? row_threads(n, kForwardValues<T>) : kMaxThreads;
-  return in_registers ? layer_norm_forward_kernel<T, kVec, kSubtractMean>
-                      : layer_norm_forward_looped_kernel<T, kVec, kSubtractMean>;
+int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n) {
+  int64_t splits = 1;
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    // What one block (in registers: 32 KB) or one cluster (16 blocks' shared memory) reads once.
+    const int64_t in_registers = int64_t{kForwardMaxThreads} * kForwardValues<T> * static_cast<int64_t>(sizeof(T));
+    const int64_t held_on_chip = norm_clusters_available<T>() ? kMaxClusterBlocks * kSharedRowBytes : in_registers;
+    splits = row_splits(rows, n * static_cast<int64_t>(sizeof(T)), held_on_chip);
+  });
+  return splits;
 }
 
 template <bool kSubtractMean>
 void launch_forward(DType dtype, const void* x, const void* weight, const void* bias, void* y, void* mean, void* rstd,
-                    int64_t rows, int64_t n, double eps, void* stream) {
+                    int64_t rows, int64_t n, double eps, int64_t splits, void* partials, void* stream) {
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     using A = Acc<T>;
+    const auto s = static_cast<cudaStream_t>(stream);
+    const T* in = static_cast<const T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    const T* b = static_cast<const T*>(bias);
+    T* out = static_cast<T*>(y);
+    A* means = static_cast<A*>(mean);
+    A* rstds = static_cast<A*>(rstd);
+    if (n > int64_t{kForwardMaxThreads} * kForwardValues<T>) {
+      launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps), splits,
+                                                      partials, s);
+      return;
+    }
     const bool vectorise = n % kVecOf<T> == 0 && aligned_16(x) && aligned_16(weight) &&
                            (!kSubtractMean || aligned_16(bias)) && aligned_16(y);
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
-      int threads = 0;
-      const auto kernel = forward_kernel_for<T, decltype(vec)::value, kSubtractMean>(n, &threads);
-      // One block per row: a row's reductions never leave its block.
-      kernel<<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-          static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias), static_cast<T*>(y),
-          static_cast<A*>(mean), static_cast<A*>(rstd), n, static_cast<A>(eps));
+      constexpr int kVec = decltype(vec)::value;
+      if (n <= kWarpSize * kLaneRowValues<A>) {
+        dispatch_lanes_per_row<A>(n, [&](auto lanes) {
+          constexpr int kLanes = decltype(lanes)::value;
+          const int64_t rows_per_block = kWarpsPerBlock * (kWarpSize / kLanes);
+          layer_norm_forward_warp_kernel<T, kVec, kLanes, kSubtractMean>
+              <<<static_cast<unsigned>(ceil_div(rows, rows_per_block)), kWarpsPerBlock * kWarpSize, 0, s>>>(
+                  in, w, b, out, means, rstds, rows, n, static_cast<A>(eps));
+        });
+      } else {
+        // One block per row: a row's reductions never leave its block.
+        layer_norm_forward_kernel<T, kVec, kSubtractMean>
+            <<<static_cast<unsigned>(rows), row_threads(n, kForwardValues<T>), 0, s>>>(in, w, b, out, means, rstds, n,
+                                                                                        static_cast<A>(eps));
+      }
     });
   });
 }
 
 void launch_layer_norm_forward(DType dtype, const void* x, const void* weight, const void* bias, void* y,
-                               void* mean, void* rstd, int64_t rows, int64_t n, double eps, void* stream) {
-  launch_forward<true>(dtype, x, weight, bias, y, mean, rstd, rows, n, eps, stream);
+                               void* mean, void* rstd, int64_t rows, int64_t n, double eps, int64_t splits,
+                               void* partials, void* stream) {
+  launch_forward<true>(dtype, x, weight, bias, y, mean, rstd, rows, n, eps, splits, partials, stream);
 }
 
 void launch_rms_norm_forward(DType dtype, const void* x, const void* weight, void* y, void* rstd, int64_t rows,
-                             int64_t n, double eps, void* stream) {
-  launch_forward<false>(dtype, x, weight, nullptr, y, nullptr, rstd, rows, n, eps, stream);
+                             int64_t n, double eps, int64_t splits, void* partials, void* stream) {
+  launch_forward<false>(dtype, x, weight, nullptr, y, nullptr, rstd, rows, n, eps, splits, partials, stream);
 }
 
 }  // namespace kernel_ladder

@@ -8,6 +8,12 @@
 //   layer_norm_backward_looped_kernel   the same for long rows: two passes over each row, and the
 //                                       block's dw, db accumulated in its partial row in global memory
 //   layer_norm_weight_grads_kernel      sums the partial rows' columns into dw and db (deterministic)
+//   Few long rows (fewer than the persistent grid has blocks), the grid cut by columns instead:
+//   layer_norm_backward_slice_sums_kernel   block s walks every row's slice s: (sum g, sum g*xhat) per slice
+//   layer_norm_backward_row_sums_kernel     adds up each row's slice sums, in a fixed order
+//   layer_norm_backward_slice_dx_kernel     block s re-reads its slice of every row (from L2 while the few
+//                                           rows fit), writes dx, and, owning those columns in every row,
+//                                           writes their dw and db itself: no partial rows, no atomics
 //   Each takes kSubtractMean: RMSNorm's instance (false) has no mean, no mean(g) term and no db.
 //
 // Check
@@ -152,6 +158,92 @@ layer_norm_backward_looped_kernel(const T* __restrict__ grad_out, const T* __res
   }
 }
 
+// Few long rows (fewer than the persistent grid has blocks): the grid is cut by COLUMNS instead, so
+// every SM has work however few the rows. Block s owns slice s of every row, one pack per thread.
+// Pass 1 writes each row's slice sums (sum g, sum g*xhat) to partial_sums[row * splits + s].
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kMaxThreads)
+layer_norm_backward_slice_sums_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
+                                      const T* __restrict__ weight, const Acc<T>* __restrict__ mean,
+                                      const Acc<T>* __restrict__ rstd, RowSums<Acc<T>>* __restrict__ partial_sums,
+                                      int64_t rows, int64_t n, int splits, int64_t slice_packs) {
+  using A = Acc<T>;
+  const int64_t pack = blockIdx.x * slice_packs + threadIdx.x;
+  const bool inside = threadIdx.x < slice_packs && pack < n / kVec;
+  for (int64_t row = 0; row < rows; ++row) {
+    const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
+    RowSums<A> sums{};
+    if (inside) {
+      // Plain loads: pass 2 re-reads these packs, from L2 while the few rows fit there. w is re-read
+      // from L1 each row rather than held across the loop (1024-thread blocks leave 64 registers).
+      const Pack<T, kVec> dy = load_pack<T, kVec>(grad_out + row * n + pack * kVec);
+      const Pack<T, kVec> in = load_pack<T, kVec>(x + row * n + pack * kVec);
+      const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const A g = product_rounded(to_acc(w.val[j]), to_acc(dy.val[j]));
+        sums = sums + RowSums<A>{g, g * ((to_acc(in.val[j]) - row_mean) * row_rstd)};
+      }
+    }
+    sums = block_reduce(sums, Add{});
+    if (threadIdx.x == 0) partial_sums[row * splits + blockIdx.x] = sums;
+  }
+}
+
+// Between the passes, one block per row adds up its slice sums in a fixed order (deterministic) and
+// leaves the row's total in the row's first entry, so pass 2 reads one pair per row, not `splits`.
+template <typename A>
+__global__ void __launch_bounds__(kMaxThreads)
+layer_norm_backward_row_sums_kernel(RowSums<A>* __restrict__ partial_sums, int splits) {
+  RowSums<A>* row_sums = partial_sums + int64_t{blockIdx.x} * splits;
+  RowSums<A> total{};
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) total = total + row_sums[s];
+  total = block_reduce(total, Add{});  // its barriers: every read is done before the write below
+  if (threadIdx.x == 0) row_sums[0] = total;
+}
+
+// Pass 2: each block writes dx for its slice of every row; its threads own their columns in every row,
+// so they keep dw, db in registers and write them at the end: no partial buffer, no column reduction,
+// no atomics.
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kMaxThreads)
+layer_norm_backward_slice_dx_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
+                                    const T* __restrict__ weight, const Acc<T>* __restrict__ mean,
+                                    const Acc<T>* __restrict__ rstd, const RowSums<Acc<T>>* __restrict__ partial_sums,
+                                    T* __restrict__ grad_x, T* __restrict__ grad_weight, T* __restrict__ grad_bias,
+                                    int64_t rows, int64_t n, int splits, int64_t slice_packs) {
+  using A = Acc<T>;
+  const int64_t pack = blockIdx.x * slice_packs + threadIdx.x;
+  if (threadIdx.x >= slice_packs || pack >= n / kVec) return;  // no barrier below waits for this thread
+  const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
+  A dw[kVec] = {}, db[kVec] = {};  // RMSNorm never writes db, and the compiler drops it
+  for (int64_t row = 0; row < rows; ++row) {
+    const RowSums<A> sums = partial_sums[row * splits];
+    const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
+    const A mean_g = kSubtractMean ? sums.g / A(n) : A(0), mean_g_xhat = sums.g_xhat / A(n);
+    const Pack<T, kVec> dy = load_pack_once<T, kVec>(grad_out + row * n + pack * kVec);
+    const Pack<T, kVec> in = load_pack_once<T, kVec>(x + row * n + pack * kVec);
+    Pack<T, kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const A dy_j = to_acc(dy.val[j]);
+      const A xhat = (to_acc(in.val[j]) - row_mean) * row_rstd;
+      out.val[j] = from_acc<T>(row_rstd * (product_rounded(to_acc(w.val[j]), dy_j) - mean_g - xhat * mean_g_xhat));
+      dw[j] += dy_j * xhat;
+      db[j] += dy_j;
+    }
+    store_pack_once<T, kVec>(grad_x + row * n + pack * kVec, out);
+  }
+  Pack<T, kVec> dw_out, db_out;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    dw_out.val[j] = from_acc<T>(dw[j]);
+    db_out.val[j] = from_acc<T>(db[j]);
+  }
+  store_pack<T, kVec>(grad_weight + pack * kVec, dw_out);
+  if constexpr (kSubtractMean) store_pack<T, kVec>(grad_bias + pack * kVec, db_out);
+}
+
 // dw, db = column sums of the (partial_rows, n) buffers. A 32 x 32 block owns 32 adjacent columns:
 // each warp (fixed threadIdx.y) reads 32 adjacent values of one partial row (one 128-byte line in
 // float32) and walks down every 32nd row; then the 32 per-warp sums of each column meet in shared memory.
@@ -200,70 +292,113 @@ auto backward_kernel_for(int64_t n, int* threads) {
                       : layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
 }
 
+// The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1), or, for
+// rows too long for registers and fewer than the blocks the GPU holds at once, `splits` column slices.
+struct BackwardPlan {
+  int64_t partial_rows = 0;
+  int64_t splits = 1;
+};
+
 template <bool kSubtractMean>
-int64_t backward_partial_rows(DType dtype, int64_t rows, int64_t n) {
-  // As many blocks as are resident at once: each then walks its rows without waiting for a second wave,
-  // and the partial buffer has no more rows than the GPU has blocks in flight.
-  int blocks_per_sm = 0;
+BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
+  BackwardPlan plan;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    int threads = 0;
+    int threads = 0, blocks_per_sm = 0;
     const auto kernel = backward_kernel_for<T, kVecOf<T>, kSubtractMean>(n, &threads);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, 0);
+    const int64_t multiprocessors = std::max(multiprocessor_count(), 1);
+    // As many blocks as are resident at once: each then walks its rows without waiting for a second wave,
+    // and the partial buffer has no more rows than the GPU has blocks in flight.
+    const int64_t resident = std::max(blocks_per_sm, 1) * multiprocessors;
+    const bool in_registers = n <= int64_t{kMaxThreads} * kBackwardValues<Acc<T>>;
+    if (in_registers || rows >= resident) {
+      plan.partial_rows = std::min(rows, resident);
+      return;
+    }
+    // Slices of at most kMaxThreads values (one pack a thread, even unvectorised), enough for
+    // kSplitBlocksPerSM blocks an SM, and at least a warp of 16-byte packs each.
+    plan.splits = std::max(ceil_div(n, kMaxThreads),
+                           std::min(kSplitBlocksPerSM * multiprocessors, ceil_div(n, kWarpSize * kVecOf<T>)));
   });
-  int device = 0, multiprocessors = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  return std::min<int64_t>(rows, int64_t{std::max(blocks_per_sm, 1)} * std::max(multiprocessors, 1));
+  return plan;
+}
+
+// Scratch in statistics-type values: the partial dw (and db) rows, or a (sum g, sum g*xhat) per slice of each row.
+template <bool kSubtractMean>
+int64_t backward_workspace(DType dtype, int64_t rows, int64_t n) {
+  const BackwardPlan plan = backward_plan<kSubtractMean>(dtype, rows, n);
+  return plan.splits > 1 ? rows * plan.splits * 2 : plan.partial_rows * n * (kSubtractMean ? 2 : 1);
 }
 
 template <bool kSubtractMean>
 void launch_backward(DType dtype, const void* grad_out, const void* x, const void* weight, const void* mean,
                      const void* rstd, void* grad_x, void* grad_weight, void* grad_bias, void* workspace,
-                     int64_t partial_rows, int64_t rows, int64_t n, void* stream) {
+                     int64_t rows, int64_t n, void* stream) {
+  const BackwardPlan plan = backward_plan<kSubtractMean>(dtype, rows, n);
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     using A = Acc<T>;
     const auto s = static_cast<cudaStream_t>(stream);
-    A* partial_dw = static_cast<A*>(workspace);
-    A* partial_db = kSubtractMean ? partial_dw + partial_rows * n : nullptr;
+    const T* dy = static_cast<const T*>(grad_out);
+    const T* in = static_cast<const T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    const A* means = static_cast<const A*>(mean);
+    const A* rstds = static_cast<const A*>(rstd);
+    T* dx = static_cast<T*>(grad_x);
     const bool vectorise = n % kVecOf<T> == 0 && aligned_16(grad_out) && aligned_16(x) && aligned_16(weight) &&
-                           aligned_16(grad_x);
+                           aligned_16(grad_x) && aligned_16(grad_weight) && (!kSubtractMean || aligned_16(grad_bias));
+    if (plan.splits > 1) {
+      auto* sums = static_cast<RowSums<A>*>(workspace);
+      const auto splits = static_cast<int>(plan.splits);
+      dispatch_vector_width<T>(vectorise, [&](auto vec) {
+        constexpr int kVec = decltype(vec)::value;
+        const int64_t slice_packs = ceil_div(n / kVec, splits);
+        const int threads = row_threads(slice_packs, 1);
+        layer_norm_backward_slice_sums_kernel<T, kVec, kSubtractMean>
+            <<<splits, threads, 0, s>>>(dy, in, w, means, rstds, sums, rows, n, splits, slice_packs);
+        layer_norm_backward_row_sums_kernel<A>
+            <<<static_cast<unsigned>(rows), std::min(kMaxThreads, row_threads(splits, 1)), 0, s>>>(sums, splits);
+        layer_norm_backward_slice_dx_kernel<T, kVec, kSubtractMean><<<splits, threads, 0, s>>>(
+            dy, in, w, means, rstds, sums, dx, static_cast<T*>(grad_weight), static_cast<T*>(grad_bias), rows, n,
+            splits, slice_packs);
+      });
+      return;
+    }
+    A* partial_dw = static_cast<A*>(workspace);
+    A* partial_db = kSubtractMean ? partial_dw + plan.partial_rows * n : nullptr;
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
       int threads = 0;
       const auto kernel = backward_kernel_for<T, decltype(vec)::value, kSubtractMean>(n, &threads);
-      kernel<<<static_cast<unsigned>(partial_rows), threads, 0, s>>>(
-          static_cast<const T*>(grad_out), static_cast<const T*>(x), static_cast<const T*>(weight),
-          static_cast<const A*>(mean), static_cast<const A*>(rstd), static_cast<T*>(grad_x), partial_dw, partial_db,
-          rows, n);
+      kernel<<<static_cast<unsigned>(plan.partial_rows), threads, 0, s>>>(dy, in, w, means, rstds, dx, partial_dw,
+                                                                         partial_db, rows, n);
     });
     const dim3 tile(kColumnTile, kColumnTile);
     layer_norm_weight_grads_kernel<T, kSubtractMean><<<static_cast<unsigned>(ceil_div(n, kColumnTile)), tile, 0, s>>>(
-        partial_dw, partial_db, partial_rows, n, static_cast<T*>(grad_weight), static_cast<T*>(grad_bias));
+        partial_dw, partial_db, plan.partial_rows, n, static_cast<T*>(grad_weight), static_cast<T*>(grad_bias));
   });
 }
 
-int64_t layer_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n) {
-  return backward_partial_rows<true>(dtype, rows, n);
+int64_t layer_norm_backward_workspace(DType dtype, int64_t rows, int64_t n) {
+  return backward_workspace<true>(dtype, rows, n);
 }
 
 void launch_layer_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight,
                                 const void* mean, const void* rstd, void* grad_x, void* grad_weight,
-                                void* grad_bias, void* workspace, int64_t partial_rows, int64_t rows,
-                                int64_t n, void* stream) {
-  launch_backward<true>(dtype, grad_out, x, weight, mean, rstd, grad_x, grad_weight, grad_bias, workspace,
-                        partial_rows, rows, n, stream);
+                                void* grad_bias, void* workspace, int64_t rows, int64_t n, void* stream) {
+  launch_backward<true>(dtype, grad_out, x, weight, mean, rstd, grad_x, grad_weight, grad_bias, workspace, rows, n,
+                        stream);
 }
 
-int64_t rms_norm_backward_partial_rows(DType dtype, int64_t rows, int64_t n) {
-  return backward_partial_rows<false>(dtype, rows, n);
+int64_t rms_norm_backward_workspace(DType dtype, int64_t rows, int64_t n) {
+  return backward_workspace<false>(dtype, rows, n);
 }
 
 void launch_rms_norm_backward(DType dtype, const void* grad_out, const void* x, const void* weight, const void* rstd,
-                              void* grad_x, void* grad_weight, void* workspace, int64_t partial_rows, int64_t rows,
-                              int64_t n, void* stream) {
-  launch_backward<false>(dtype, grad_out, x, weight, nullptr, rstd, grad_x, grad_weight, nullptr, workspace,
-                         partial_rows, rows, n, stream);
+                              void* grad_x, void* grad_weight, void* workspace, int64_t rows, int64_t n,
+                              void* stream) {
+  launch_backward<false>(dtype, grad_out, x, weight, nullptr, rstd, grad_x, grad_weight, nullptr, workspace, rows, n,
+                         stream);
 }
 
 }  // namespace kernel_ladder

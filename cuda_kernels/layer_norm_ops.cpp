@@ -30,6 +30,15 @@ std::pair<c10::SymInt, c10::SymInt> check_rows(const char* op, const at::Tensor&
   return {rows, x.sym_size(-1)};
 }
 
+// Scratch for rows the forward splits over several blocks (splits > 1, layer_norm_forward_splits): one
+// (count, mean, M2) triple per slice, with the options of `statistics` (dtype, device), from PyTorch's caching
+// allocator and held in `buffer` until the launch is queued. Null when rows are not split.
+void* forward_partials(at::Tensor& buffer, int64_t splits, int64_t rows, const at::Tensor& statistics) {
+  if (splits == 1) return nullptr;
+  buffer = at::empty({rows * splits, 3}, statistics.options());
+  return buffer.mutable_data_ptr();
+}
+
 TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   const char* op = "layer_norm_forward";
   const auto shape = check_rows(op, x);
@@ -45,9 +54,12 @@ TensorTriple layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, c
   run_on_device_of(
       input,
       [&](void* stream) {
+        const int64_t splits = layer_norm_forward_splits(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor partials;
         launch_layer_norm_forward(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(),
                                   y.mutable_data_ptr(), mean.mutable_data_ptr(), rstd.mutable_data_ptr(),
-                                  rows.expect_int(), n.expect_int(), eps, stream);
+                                  rows.expect_int(), n.expect_int(), eps, splits,
+                                  forward_partials(partials, splits, rows.expect_int(), rstd), stream);
       },
       [&] {
         layer_norm_forward_cpu(dtype, input.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(), y.mutable_data_ptr(),
@@ -76,14 +88,14 @@ TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x
   run_on_device_of(
       input,
       [&](void* stream) {
-        // Scratch for the per-block partial dw and db rows, from PyTorch's caching allocator: freed
-        // when this returns, and reused only by work queued after ours on the same stream.
-        const int64_t partial_rows = layer_norm_backward_partial_rows(dtype, rows.expect_int(), n.expect_int());
-        at::Tensor workspace = at::empty({2, partial_rows, n.expect_int()}, x.options().dtype(statistics_dtype(x)));
+        // Scratch for the per-block partial dw and db rows (or per-slice row sums), from PyTorch's caching
+        // allocator: freed when this returns, and reused only by work queued after ours on the same stream.
+        const int64_t values = layer_norm_backward_workspace(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor workspace = at::empty({values}, x.options().dtype(statistics_dtype(x)));
         launch_layer_norm_backward(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(),
                                    mu.const_data_ptr(), r.const_data_ptr(), grad_x.mutable_data_ptr(),
                                    grad_weight.mutable_data_ptr(), grad_bias.mutable_data_ptr(),
-                                   workspace.mutable_data_ptr(), partial_rows, rows.expect_int(), n.expect_int(), stream);
+                                   workspace.mutable_data_ptr(), rows.expect_int(), n.expect_int(), stream);
       },
       [&] {
         layer_norm_backward_cpu(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(), mu.const_data_ptr(),
@@ -140,8 +152,11 @@ TensorPair rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, doubl
   run_on_device_of(
       input,
       [&](void* stream) {
+        const int64_t splits = layer_norm_forward_splits(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor partials;
         launch_rms_norm_forward(dtype, input.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
-                                rstd.mutable_data_ptr(), rows.expect_int(), n.expect_int(), eps, stream);
+                                rstd.mutable_data_ptr(), rows.expect_int(), n.expect_int(), eps, splits,
+                                forward_partials(partials, splits, rows.expect_int(), rstd), stream);
       },
       [&] {
         rms_norm_forward_cpu(dtype, input.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
@@ -167,12 +182,12 @@ TensorPair rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, co
   run_on_device_of(
       input,
       [&](void* stream) {
-        // Scratch for the per-block partial dw rows, as in layer_norm_backward.
-        const int64_t partial_rows = rms_norm_backward_partial_rows(dtype, rows.expect_int(), n.expect_int());
-        at::Tensor workspace = at::empty({partial_rows, n.expect_int()}, x.options().dtype(statistics_dtype(x)));
+        // Scratch for the per-block partial dw rows (or per-slice row sums), as in layer_norm_backward.
+        const int64_t values = rms_norm_backward_workspace(dtype, rows.expect_int(), n.expect_int());
+        at::Tensor workspace = at::empty({values}, x.options().dtype(statistics_dtype(x)));
         launch_rms_norm_backward(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(),
                                  r.const_data_ptr(), grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
-                                 workspace.mutable_data_ptr(), partial_rows, rows.expect_int(), n.expect_int(), stream);
+                                 workspace.mutable_data_ptr(), rows.expect_int(), n.expect_int(), stream);
       },
       [&] {
         rms_norm_backward_cpu(dtype, dy.const_data_ptr(), input.const_data_ptr(), w.const_data_ptr(), r.const_data_ptr(),

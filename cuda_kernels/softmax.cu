@@ -54,21 +54,11 @@
 
 namespace kernel_ladder {
 
-// Short rows: a group of kLanes lanes per row, 128 bytes of the row per lane in registers (32 floats,
-// 16 doubles); a warp takes 32 / kLanes rows.
-template <typename A> constexpr int kLaneRowValues = 128 / static_cast<int>(sizeof(A));
-constexpr int kWarpsPerBlock = 4;  // 128-thread blocks
 // Longer rows: one block per row (or per slice of a row), at most 512 threads (the online kernel's
 // float64 exp needs the registers that 1024 threads would not leave), at least 8 packs per thread.
+// (The short rows' lanes, the 64 KB slices and the split sizes are common.cuh's.)
 constexpr int kSoftmaxMaxThreads = 512;
 constexpr int kPacksPerThread = 8;
-// The most of a row one block stages in shared memory: 64 KB leaves room for 3 blocks an SM, so one
-// block's copies fly while another reduces and a third writes.
-constexpr int64_t kSharedRowBytes = 64 * 1024;
-constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (beyond 8 is "non-portable", opted into)
-// Split rows: enough blocks for 4 per SM, each slice at least 64 KB so a block's fixed cost is small.
-constexpr int kSplitBlocksPerSM = 4;
-constexpr int64_t kMinSliceBytes = 64 * 1024;
 
 template <typename T, int kVec, int kLanes>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
@@ -140,19 +130,13 @@ __device__ __forceinline__ void write_probabilities(T* y_slice, int64_t n_packs,
   }
 }
 
-// Copies n_packs 16-byte packs of x into shared memory and returns the block's (max, sum) of them.
-// Each thread copies, and later reads, only its own packs (t, t + blockDim.x, ...), so its own
-// cp.async wait is all the ordering it needs; the barriers are the reduction's. Nothing is held in
-// registers while the copies fly.
+// Copies n_packs 16-byte packs of x into shared memory (common.cuh's stage_slice) and returns the
+// block's (max, sum) of them; each thread reads back only the packs it copied.
 template <typename T>
 __device__ __forceinline__ MaxSum<Acc<T>> stage_and_reduce(const T* x_slice, T* staged, int n_packs) {
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    copy_async_16(staged + pack * kVec, x_slice + pack * kVec, true);
-  }
-  copy_async_commit();
-  copy_async_wait<0>();
+  stage_slice<T>(x_slice, staged, n_packs);
   MaxSum<A> mine;
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
     const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
@@ -293,15 +277,11 @@ softmax_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ y,
 
 // --- launchers -----------------------------------------------------------------------------------
 
-// Whether the cluster kernel runs here: compiled for sm_90 or later (cudaFuncGetAttributes reports the
-// image this device loaded), so an older build or GPU takes the split or online kernels instead.
+// Whether the cluster kernel runs here (common.cuh's compiled_for_clusters), else the split or
+// online kernels take its rows.
 template <typename T>
 bool clusters_available() {
-  static const bool available = [] {
-    cudaFuncAttributes attributes;
-    if (cudaFuncGetAttributes(&attributes, softmax_forward_cluster_kernel<T>) != cudaSuccess) return false;
-    return attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
-  }();
+  static const bool available = compiled_for_clusters(softmax_forward_cluster_kernel<T>);
   return available;
 }
 
@@ -309,12 +289,8 @@ int64_t softmax_forward_splits(DType dtype, int64_t rows, int64_t n) {
   int64_t splits = 1;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
     const int64_t held_on_chip = kSharedRowBytes * (clusters_available<T>() ? kMaxClusterBlocks : 1);
-    if (row_bytes <= held_on_chip) return;
-    // Enough slices for kSplitBlocksPerSM blocks an SM over all rows, none under kMinSliceBytes.
-    const int64_t wanted = ceil_div(int64_t{kSplitBlocksPerSM} * multiprocessor_count(), rows);
-    splits = std::max<int64_t>(1, std::min(wanted, row_bytes / kMinSliceBytes));
+    splits = row_splits(rows, n * static_cast<int64_t>(sizeof(T)), held_on_chip);
   });
   return splits;
 }
@@ -322,38 +298,11 @@ int64_t softmax_forward_splits(DType dtype, int64_t rows, int64_t n) {
 template <typename T>
 void launch_softmax_cluster(const T* x, T* y, int64_t rows, int64_t n, cudaStream_t stream) {
   constexpr int kVec = kVecOf<T>;
-  const auto blocks = static_cast<unsigned>(ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes));
+  const auto blocks = static_cast<int>(ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes));
   const int64_t slice_packs = ceil_div(n / kVec, blocks);
-  const auto bytes = static_cast<int>(slice_packs * 16);
-  const auto kernel = softmax_forward_cluster_kernel<T>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);  // clusters of 9 to 16
-  cudaLaunchAttribute cluster_shape;
-  cluster_shape.id = cudaLaunchAttributeClusterDimension;
-  cluster_shape.val.clusterDim.x = blocks;
-  cluster_shape.val.clusterDim.y = 1;
-  cluster_shape.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
-  config.blockDim = dim3(static_cast<unsigned>(row_threads(slice_packs * kVec, kPacksPerThread * kVec)));
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
-  config.attrs = &cluster_shape;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, kernel, x, y, n, slice_packs);
-}
-
-// Calls fn(std::integral_constant<int, kLanes>{}) with the fewest lanes (a power of two) whose
-// registers hold a row of n values, kLaneRowValues each.
-template <typename A, typename Fn>
-void dispatch_lanes_per_row(int64_t n, Fn&& fn) {
-  const int64_t lanes = ceil_div(n, kLaneRowValues<A>);
-  if (lanes <= 1) fn(std::integral_constant<int, 1>{});
-  else if (lanes <= 2) fn(std::integral_constant<int, 2>{});
-  else if (lanes <= 4) fn(std::integral_constant<int, 4>{});
-  else if (lanes <= 8) fn(std::integral_constant<int, 8>{});
-  else if (lanes <= 16) fn(std::integral_constant<int, 16>{});
-  else fn(std::integral_constant<int, 32>{});
+  launch_in_clusters(softmax_forward_cluster_kernel<T>, rows * blocks, blocks,
+                     row_threads(slice_packs * kVec, kPacksPerThread * kVec), static_cast<int>(slice_packs * 16), stream,
+                     x, y, n, slice_packs);
 }
 
 void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, int64_t n, int64_t splits,

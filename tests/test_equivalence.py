@@ -135,3 +135,23 @@ SOFTMAX_ROW_STRATEGY_SHAPES = [(4099, 128), (33, 4096), (5, 40000), (3, 600000),
 def test_softmax_matches_float64_reference_at_every_row_strategy(shape, dtype):
     module, reference = build_pair("softmax", "cuda", {"dim": -1}, "cuda", dtype)
     assert_matches_float64_reference(module, reference, module.example_inputs(shape, dtype, "cuda"), TOLERANCE[dtype])
+
+
+# Level 5's LayerNorm and RMSNorm pick their kernels by row length (layer_norm.cu). Forward: 4 lanes a row
+# (128 values; 37 unvectorised on 2 lanes), a block's registers (4096), on Hopper a cluster of 1 block
+# (8200 floats), of 3 (40000 floats: 160 KB; 2 in bfloat16) and of 16, the largest (262144 floats: 1 MB;
+# 8 in bfloat16), a few 2.4 MB rows split over many blocks (1.2 MB in bfloat16; 600001 unvectorised),
+# and a looped block for a long unvectorised row. Backward: rows in registers, 300 long rows on the
+# persistent grid, and the few long rows cut into column slices. The backward reads the mean and rstd
+# each forward path saved.
+NORM_ROW_STRATEGY_SHAPES = [(4099, 128), (1000, 37), (33, 4096), (300, 8200), (5, 40000), (2, 262144), (3, 600000),
+                            (3, 600001), (2, 40001)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", NORM_ROW_STRATEGY_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+def test_norm_matches_float64_reference_at_every_row_strategy(component, shape, dtype):
+    module, reference = build_pair(component, "cuda", {"normalized_shape": shape[-1]}, "cuda", dtype)
+    assert_matches_float64_reference(module, reference, module.example_inputs(shape, dtype, "cuda"), TOLERANCE[dtype])

@@ -1,0 +1,305 @@
+// LayerNorm's and RMSNorm's forward for rows longer than a block's registers hold (past 32 KB): a
+// cluster of blocks per row on Hopper, each row split over many blocks when rows are too few to fill
+// the GPU, and a looped block per row for the rest. layer_norm.cu includes this file, calls
+// launch_norm_forward_long_rows, and tells the whole story (formulas, kernels, limits).
+//
+// Kernels
+//   layer_norm_forward_cluster_kernel   rows of up to 16 x 64 KB, sm_90 and later: a thread-block
+//                                       CLUSTER per row, each block staging a slice of up to 64 KB in
+//                                       shared memory with cp.async; the blocks swap their slices'
+//                                       (count, mean, M2) through distributed shared memory, so x is read
+//                                       from HBM once
+//   layer_norm_partials_kernel +        longer rows when they are too few for 4 blocks an SM (or there are
+//   layer_norm_normalise_kernel         no clusters): each row split over many blocks; pass 1 writes each
+//                                       slice's (count, mean, M2), pass 2 merges its row's and re-reads x
+//   layer_norm_forward_looped_kernel    long rows, enough of them: one block per row, three passes over
+//                                       the row (mean, variance, output), re-reads from L2 when it is there
+//
+// Statistics that merge: LayerNorm's slices meet as (count, mean, M2 = sum of squared deviations from the
+// slice's own mean), merged with Chan's formula, never as a sum of squares minus a squared sum (which
+// cancels catastrophically when the mean is large against the spread). RMSNorm's are the same triple
+// with the mean pinned at 0, where the merge is exactly a sum of squares.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "common.cuh"
+
+namespace kernel_ladder {
+
+// y for one pack of the row from its values in registers; weight and bias are shared by every row and
+// stay in L1/L2, so they use ordinary loads, while y is written once (streaming store).
+template <typename T, int kVec, bool kSubtractMean>
+__device__ __forceinline__ void write_normalized_pack(T* y_row, const T* weight, const T* bias, int64_t pack,
+                                                      const Acc<T> (&values)[kVec], Acc<T> mean, Acc<T> rstd) {
+  const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
+  Pack<T, kVec> b{};
+  if constexpr (kSubtractMean) b = load_pack<T, kVec>(bias + pack * kVec);
+  Pack<T, kVec> out;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const Acc<T> scaled = (values[j] - mean) * rstd * to_acc(w.val[j]);
+    out.val[j] = from_acc<T>(kSubtractMean ? scaled + to_acc(b.val[j]) : scaled);
+  }
+  store_pack_once<T, kVec>(y_row + pack * kVec, out);
+}
+
+// Long rows: blocks of at most 512 threads, at least 8 packs a thread in a cluster's slice.
+constexpr int kLongRowThreads = 512;
+constexpr int kPacksPerThread = 8;
+
+// A slice's statistics: how many values, their mean, and M2, the sum of their squared deviations from
+// that mean (RMSNorm: mean 0, M2 the sum of squares). The default is the identity of the merge.
+template <typename A>
+struct Moments {
+  A count = 0, mean = 0, m2 = 0;
+};
+
+// Chan's merge: delta = mean_b - mean_a, mean = mean_a + delta * count_b / count,
+// M2 = M2_a + M2_b + delta^2 * count_a * count_b / count. The operands are taken in one fixed order
+// (larger count first, then smaller mean), so a + b and b + a round alike: every lane of a butterfly
+// reduction (common.cuh's warp_reduce) ends with the same bits, as with a plain sum.
+template <typename A>
+__device__ __forceinline__ Moments<A> operator+(Moments<A> a, Moments<A> b) {
+  if (a.count < b.count || (a.count == b.count && a.mean > b.mean)) {
+    const Moments<A> swap = a;
+    a = b;
+    b = swap;
+  }
+  if (b.count == A(0)) return a;
+  const A count = a.count + b.count, delta = b.mean - a.mean, b_share = b.count * (A(1) / count);
+  return {count, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.count * b_share};
+}
+
+// The Moments of one 16-byte pack (RMSNorm: its sum of squares).
+template <typename T, int kVec, bool kSubtractMean>
+__device__ __forceinline__ Moments<Acc<T>> moments_of_pack(const Pack<T, kVec>& pack) {
+  using A = Acc<T>;
+  A mean = 0;
+  if constexpr (kSubtractMean) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) mean += to_acc(pack.val[j]);
+    mean /= A(kVec);
+  }
+  A m2 = 0;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) m2 += (to_acc(pack.val[j]) - mean) * (to_acc(pack.val[j]) - mean);
+  return {A(kVec), mean, m2};
+}
+
+// The Moments of a slice staged in shared memory: its mean, then the squares of its centred values
+// (two exact passes over shared memory, none over HBM; RMSNorm skips the first). Each thread reads the
+// packs it staged.
+template <typename T, bool kSubtractMean>
+__device__ __forceinline__ Moments<Acc<T>> staged_moments(const T* staged, int n_packs) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  const A count = A(n_packs) * A(kVec);
+  A mean = 0;
+  if constexpr (kSubtractMean) {
+    A sum = 0;
+    for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+      const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum += to_acc(in.val[j]);
+    }
+    sum = block_sum(sum);
+    mean = n_packs > 0 ? sum / count : A(0);
+  }
+  A m2 = 0;
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) m2 += (to_acc(in.val[j]) - mean) * (to_acc(in.val[j]) - mean);
+  }
+  return {count, mean, block_sum(m2)};
+}
+
+// One cluster per row (a 1-D grid of rows x cluster size blocks), block r of a cluster owning slice r of
+// slice_packs packs. After each block has its slice's Moments, the cluster barrier makes every block's
+// shared memory readable by the others (distributed shared memory: SM to SM, not through L2 or HBM);
+// each warp reads the cluster's Moments, one a lane, and merges them. The second barrier keeps every
+// block (and so its shared memory) alive until all have read. Then y comes from the staged slice.
+template <typename T, bool kSubtractMean>
+__global__ void __launch_bounds__(kLongRowThreads)
+layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                                  T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                                  int64_t n, int64_t slice_packs, Acc<T> eps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  __shared__ Moments<A> slice_statistics;
+  T* slice = reinterpret_cast<T*>(shared_bytes);
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank()), blocks = static_cast<int>(cluster.num_blocks());
+  const int64_t row = int64_t{blockIdx.x} / blocks, first_pack = rank * slice_packs;
+  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - first_pack));
+  const int64_t offset = row * n + first_pack * kVec;
+  stage_slice<T>(x + offset, slice, n_packs);
+  const Moments<A> mine = staged_moments<T, kSubtractMean>(slice, n_packs);
+  if (threadIdx.x == 0) slice_statistics = mine;
+  cluster.sync();
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  Moments<A> theirs;
+  if (lane < blocks) theirs = *cluster.map_shared_rank(&slice_statistics, lane);
+  const Moments<A> total = warp_reduce(theirs, Add{});
+  cluster.sync();
+  const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    if constexpr (kSubtractMean) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  const int64_t first_column = first_pack * kVec;
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(slice + pack * kVec);
+    A values[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
+    write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
+                                                  kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
+  }
+#else
+  __trap();  // the launcher runs this kernel only where it was compiled for sm_90 or later
+#endif
+}
+
+// Split rows, pass 1: block b folds slice b % splits of row b / splits into one Moments, pack by pack,
+// written to partials[b] for pass 2. Plain loads: the slice may still be in L2 when pass 2 re-reads it.
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kLongRowThreads)
+layer_norm_partials_kernel(const T* __restrict__ x, Moments<Acc<T>>* __restrict__ partials, int64_t n, int splits,
+                           int64_t slice_packs) {
+  const int64_t first_pack = blockIdx.x % splits * slice_packs;
+  const int64_t n_packs = min(slice_packs, n / kVec - first_pack);
+  const T* x_slice = x + int64_t{blockIdx.x} / splits * n + first_pack * kVec;
+  Moments<Acc<T>> mine;
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    mine = mine + moments_of_pack<T, kVec, kSubtractMean>(load_pack<T, kVec>(x_slice + pack * kVec));
+  }
+  mine = block_reduce(mine, Add{});
+  if (threadIdx.x == 0) partials[blockIdx.x] = mine;
+}
+
+// Split rows, pass 2: every block merges its row's partials (a few dozen, in the same order in every
+// block of the row, so all get the same bits) and writes its slice of y; the row's first block saves
+// mean and rstd.
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kLongRowThreads)
+layer_norm_normalise_kernel(const T* __restrict__ x, const Moments<Acc<T>>* __restrict__ partials,
+                            const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
+                            Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out, int64_t n, int splits,
+                            int64_t slice_packs, Acc<T> eps) {
+  using A = Acc<T>;
+  const int64_t row = blockIdx.x / splits;
+  Moments<A> total;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) total = total + partials[row * splits + s];
+  total = block_reduce(total, Add{});
+  const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
+  if (blockIdx.x % splits == 0 && threadIdx.x == 0) {
+    if constexpr (kSubtractMean) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  const int64_t first_pack = blockIdx.x % splits * slice_packs;
+  const int64_t n_packs = min(slice_packs, n / kVec - first_pack);
+  const int64_t offset = row * n + first_pack * kVec, first_column = first_pack * kVec;
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack_once<T, kVec>(x + offset + pack * kVec);
+    A values[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
+    write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
+                                                  kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
+  }
+}
+
+// Long rows, enough of them (or not in 16-byte packs): layer_norm.cu's register kernel's math, with the
+// row read once per pass. Plain (caching) loads: the next pass wants the row still in L2.
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kMaxThreads)
+layer_norm_forward_looped_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                                 T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                                 int64_t n, Acc<T> eps) {
+  using A = Acc<T>;
+  const T* x_row = x + static_cast<int64_t>(blockIdx.x) * n;
+  const int64_t n_packs = n / kVec;
+  A mean = 0;  // RMSNorm's: no pass for it
+  if constexpr (kSubtractMean) {
+    A sum = 0;
+    for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+      const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum += to_acc(in.val[j]);
+    }
+    mean = block_sum(sum) / A(n);
+  }
+  A squares = 0;
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) squares += (to_acc(in.val[j]) - mean) * (to_acc(in.val[j]) - mean);
+  }
+  const A rstd = rsqrt(block_sum(squares) / A(n) + eps);
+  if (threadIdx.x == 0) {
+    if constexpr (kSubtractMean) mean_out[blockIdx.x] = mean;
+    rstd_out[blockIdx.x] = rstd;
+  }
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
+    A values[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
+    write_normalized_pack<T, kVec, kSubtractMean>(y + static_cast<int64_t>(blockIdx.x) * n, weight, bias, pack, values, mean, rstd);
+  }
+}
+
+// --- launcher ------------------------------------------------------------------------------------
+
+// Whether the cluster kernel runs here (common.cuh's compiled_for_clusters), else the split or looped
+// kernels take its rows.
+template <typename T>
+bool norm_clusters_available() {
+  static const bool available = compiled_for_clusters(layer_norm_forward_cluster_kernel<T, true>);
+  return available;
+}
+
+// Rows longer than the registers hold: a cluster per row when the row is in 16-byte packs, not split
+// (layer_norm_forward_splits said 1) and at most 16 x 64 KB; else split (splits > 1, with `partials`
+// for rows * splits Moments) or looped.
+template <typename T, bool kSubtractMean>
+void launch_norm_forward_long_rows(const T* x, const T* weight, const T* bias, T* y, Acc<T>* mean, Acc<T>* rstd,
+                                   int64_t rows, int64_t n, Acc<T> eps, int64_t splits, void* partials,
+                                   cudaStream_t stream) {
+  using A = Acc<T>;
+  const bool vectorise = n % kVecOf<T> == 0 && aligned_16(x) && aligned_16(weight) &&
+                         (!kSubtractMean || aligned_16(bias)) && aligned_16(y);
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
+  if (vectorise && splits == 1 && row_bytes <= kMaxClusterBlocks * kSharedRowBytes && norm_clusters_available<T>()) {
+    constexpr int kVec = kVecOf<T>;
+    const auto blocks = static_cast<int>(ceil_div(row_bytes, kSharedRowBytes));
+    const int64_t slice_packs = ceil_div(n / kVec, blocks);
+    launch_in_clusters(layer_norm_forward_cluster_kernel<T, kSubtractMean>, rows * blocks, blocks,
+                       row_threads(slice_packs * kVec, kPacksPerThread * kVec), static_cast<int>(slice_packs * 16),
+                       stream, x, weight, bias, y, mean, rstd, n, slice_packs, eps);
+    return;
+  }
+  dispatch_vector_width<T>(vectorise, [&](auto vec) {
+    constexpr int kVec = decltype(vec)::value;
+    if (splits > 1) {
+      const int64_t slice_packs = ceil_div(n / kVec, splits);
+      const auto blocks = static_cast<unsigned>(rows * splits);
+      const int threads = static_cast<int>(std::min<int64_t>(kLongRowThreads, row_threads(slice_packs * kVec, 4 * kVec)));
+      auto* statistics = static_cast<Moments<A>*>(partials);
+      layer_norm_partials_kernel<T, kVec, kSubtractMean>
+          <<<blocks, threads, 0, stream>>>(x, statistics, n, static_cast<int>(splits), slice_packs);
+      layer_norm_normalise_kernel<T, kVec, kSubtractMean><<<blocks, threads, 0, stream>>>(
+          x, statistics, weight, bias, y, mean, rstd, n, static_cast<int>(splits), slice_packs, eps);
+    } else {
+      layer_norm_forward_looped_kernel<T, kVec, kSubtractMean>
+          <<<static_cast<unsigned>(rows), kMaxThreads, 0, stream>>>(x, weight, bias, y, mean, rstd, n, eps);
+    }
+  });
+}
+
+}  // namespace kernel_ladder
