@@ -134,6 +134,10 @@ def compare_optimization_levels(
     baseline_key = _baseline_key(baseline, candidates)
     for module in candidates.values():
         module.to(device=device, dtype=dtype)
+    if spec is not None:
+        # The float64 reference is built from the spec's weights on the spec's device, also when level 1
+        # itself is not a row.
+        spec.to(device=device, dtype=dtype)
 
     torch.manual_seed(0)
     if spec is not None:

@@ -265,3 +265,10 @@ def test_a_throughput_target_compares_tflops_across_benchmarks_higher_is_better(
     assert no_cliff.measure(tables) == pytest.approx(0.75) and no_cliff.met(0.75) == "**no**"
     assert math.isnan(no_cliff.measure(tables, "graph_ms"))
     assert "tflop/s ≥ 0.8×" in no_cliff.describe()
+
+
+@pytest.mark.gpu
+def test_a_comparison_without_level_1_still_checks_against_its_float64_run_on_the_gpu():
+    table = compare_optimization_levels("layer_norm", (16, 64), device="cuda", levels=["cuda"], references=False,
+                                        budget_s=0.05, progress=False)
+    assert list(table["level"]) == ["cuda"] and (table["status"] == "ok").all() and table["within_tolerance"].all()
