@@ -68,6 +68,15 @@ class NormalizationSpec(ComponentSpec):
         # An offset and a scale that are not (0, 1), so a kernel that forgets to centre or scale fails.
         return (torch.randn(tuple(shape), dtype=dtype, device=device) * 2 + 0.5,)
 
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
+        """PyTorch's own kernel (``pytorch_reference``), and Liger-Kernel's (``liger_reference``) where it
+        is installed and ``device`` is a GPU; Liger normalises the last dim only."""
+        references = dict([self.pytorch_reference()])
+        liger = liger_ops(device)
+        if liger is not None and len(self.normalized_shape) == 1:
+            references.update([self.liger_reference(liger)])
+        return references
+
     def rows_and_row_length(self, shape) -> tuple[int, int]:
         row_length = element_count(self.normalized_shape)
         return element_count(shape) // row_length, row_length
@@ -109,12 +118,11 @@ class LayerNormSpec(NormalizationSpec):
         per_element = 7 + (12 if backward else 0)
         return per_element * element_count(shape)
 
-    def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        references = {"F.layer_norm (PyTorch fused)": _PyTorchFusedLayerNorm(self)}
-        liger = liger_ops(device)
-        if liger is not None and len(self.normalized_shape) == 1:  # Liger normalises the last dim only
-            references["Liger LayerNorm"] = _LigerLayerNorm(self, liger)
-        return references
+    def pytorch_reference(self) -> tuple[str, nn.Module]:
+        return "F.layer_norm (PyTorch fused)", _PyTorchFusedLayerNorm(self)
+
+    def liger_reference(self, liger) -> tuple[str, nn.Module]:
+        return "Liger LayerNorm", _LigerLayerNorm(self, liger)
 
 
 class _LigerLayerNorm(nn.Module):

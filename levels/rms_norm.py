@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import cuda_backend, inductor, liger_ops, torchscript, triton_backend
+from .backends import cuda_backend, inductor, torchscript, triton_backend
 from .layer_norm import NormalizationSpec, normalize_rows
 from .spec import element_count
 
@@ -64,12 +64,11 @@ class RMSNormSpec(NormalizationSpec):
         per_element = 4 + (9 if backward else 0)
         return per_element * element_count(shape)
 
-    def reference_modules(self, device=None) -> dict[str, nn.Module]:
-        references = {"F.rms_norm (PyTorch)": _PyTorchRMSNorm(self)}
-        liger = liger_ops(device)
-        if liger is not None and len(self.normalized_shape) == 1:  # Liger normalises the last dim only
-            references["Liger RMSNorm"] = _LigerRMSNorm(self, liger)
-        return references
+    def pytorch_reference(self) -> tuple[str, nn.Module]:
+        return "F.rms_norm (PyTorch)", _PyTorchRMSNorm(self)
+
+    def liger_reference(self, liger) -> tuple[str, nn.Module]:
+        return "Liger RMSNorm", _LigerRMSNorm(self, liger)
 
 
 class _LigerRMSNorm(nn.Module):

@@ -89,12 +89,7 @@ def main(argv=None) -> int:
         )
         print(format_table(table), end="\n\n", flush=True)
         tables.append(table)
-    if arguments.csv:
-        pd.concat([with_setup_columns(table) for table in tables]).to_csv(arguments.csv, index=False)
-        print(f"wrote {arguments.csv}", file=sys.stderr)
-    if arguments.plot:
-        save_plots(tables, arguments.plot)
-        print(f"wrote {arguments.plot}", file=sys.stderr)
+    write_outputs(tables, arguments, save_plots)
     return 0
 
 
@@ -106,13 +101,18 @@ def run_sweep(arguments: argparse.Namespace, device: torch.device) -> int:
                                  references=not arguments.no_references, budget_s=arguments.budget)
         print(format_sweep(sweep), end="\n\n", flush=True)
         sweeps.append(sweep)
+    write_outputs(sweeps, arguments, plot_sweeps)
+    return 0
+
+
+def write_outputs(tables: list, arguments: argparse.Namespace, plot) -> None:
+    """``--csv``: every table's rows with its setup columns, in one file; ``--plot``: ``plot(tables, path)``."""
     if arguments.csv:
-        pd.concat([with_setup_columns(sweep) for sweep in sweeps]).to_csv(arguments.csv, index=False)
+        pd.concat([with_setup_columns(table) for table in tables]).to_csv(arguments.csv, index=False)
         print(f"wrote {arguments.csv}", file=sys.stderr)
     if arguments.plot:
-        plot_sweeps(sweeps, arguments.plot)
+        plot(tables, arguments.plot)
         print(f"wrote {arguments.plot}", file=sys.stderr)
-    return 0
 
 
 def describe_plan(shapes: dict, names: list[str], arguments: argparse.Namespace, device: torch.device) -> str:

@@ -272,3 +272,20 @@ def test_a_comparison_without_level_1_still_checks_against_its_float64_run_on_th
     table = compare_optimization_levels("layer_norm", (16, 64), device="cuda", levels=["cuda"], references=False,
                                         budget_s=0.05, progress=False)
     assert list(table["level"]) == ["cuda"] and (table["status"] == "ok").all() and table["within_tolerance"].all()
+
+
+@pytest.mark.parametrize("component,config,module,title", [
+    ("layer_norm", {"normalized_shape": 8}, "layer_norm", "Liger LayerNorm"),
+    ("rms_norm", {"normalized_shape": 8}, "layer_norm", "Liger RMSNorm"),  # RMSNorm's spec is layer_norm.py's
+    ("softmax", {"dim": -1}, "softmax", "Liger softmax"),
+])
+def test_liger_joins_the_reference_rows_where_it_is_installed(component, config, module, title, monkeypatch):
+    import importlib
+    import types
+
+    fake_liger = types.SimpleNamespace(LigerLayerNormFunction=None, LigerRMSNormFunction=None, LigerSoftmaxFunction=None)
+    monkeypatch.setattr(importlib.import_module(f"levels.{module}"), "liger_ops", lambda device: fake_liger)
+    references = levels.build(component, "native", **config).reference_modules("cuda")
+    assert list(references)[1:] == [title]
+    if component != "softmax":  # Liger normalises the last dim only
+        assert title not in levels.build(component, "native", normalized_shape=(2, 4)).reference_modules("cuda")
