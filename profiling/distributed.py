@@ -41,19 +41,23 @@ CONFIGS = {"tiny": dict(TINY, block_size=64), "gpt2-small": GPT2_SMALL}
 STRATEGIES = ("ddp", "fsdp")
 
 
-def build_model(level: str, config: dict, strategy: str, device: torch.device) -> torch.nn.Module:
-    """The GPT at ``level``, the same initial weights on every process (seed 0), wrapped for ``strategy``."""
+def build_model(level: str, config: dict, strategy: str, device: torch.device, group=None) -> torch.nn.Module:
+    """The GPT at ``level``, the same initial weights on every process (seed 0), wrapped for ``strategy``
+    over ``group`` (default: every process)."""
     torch.manual_seed(0)
     model = levels.build("gpt", level, **config).to(device)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
     for block in model.h:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def build_optimizer(model: torch.nn.Module, level: str, strategy: str) -> torch.optim.Optimizer:
@@ -159,13 +163,49 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=2, help="sequences per process and step")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false",
+                        help="skip the one-process run that scaling efficiency is measured against")
     parser.add_argument("--csv", help="rank 0 writes every step's loss and time here")
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> NoReturn:
-    import pandas as pd
+def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device, group) -> list[dict]:
+    """``arguments.steps`` training steps of a fresh model on the processes of ``group``, each on
+    ``arguments.batch`` sequences a process; every step's loss (averaged over the group) and seconds."""
     from tqdm.auto import tqdm
+
+    rank, processes = dist.get_rank(group), dist.get_world_size(group)
+    config = CONFIGS[arguments.config]
+    model = build_model(level, config, arguments.strategy, device, group)
+    if arguments.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    optimizer = build_optimizer(model, level, arguments.strategy)
+    records = []
+    for step in tqdm(range(arguments.steps), desc=f"{arguments.strategy} × {processes}, level {level}",
+                     disable=rank != 0):
+        inputs, targets = global_batch(step, arguments.batch * processes, arguments.seq, config["vocab_size"])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = step_on_slices(model, optimizer, inputs.to(device), targets.to(device), rank, processes)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)  # also waits for the step on every process
+        records.append({"processes": processes, "step": step, "loss": loss.item(),
+                        "seconds": time.perf_counter() - start})
+    return records
+
+
+def tokens_per_second(table, processes: int, tokens_per_process: int) -> float:
+    """Tokens a second per process of the run on ``processes`` processes: the median step after the
+    first two, which compile, autotune and build communicators."""
+    seconds = table.loc[table["processes"] == processes, "seconds"]
+    return tokens_per_process / seconds.iloc[min(2, len(seconds) - 1):].median()
+
+
+def main(argv=None) -> NoReturn:
+    """Train on every process; first, unless ``--no-baseline``, on process 0 alone (its own one-process
+    group, wrapped the same way) while the others wait, so that scaling efficiency, tokens/s on N
+    processes over N × one process's, comes from one launch on one machine."""
+    import pandas as pd
 
     arguments = parse_arguments(argv)
     level = levels.resolve_level(arguments.level)
@@ -176,33 +216,30 @@ def main(argv=None) -> NoReturn:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    config = CONFIGS[arguments.config]
-    model = build_model(level, config, arguments.strategy, device)
-    if arguments.dtype == "bfloat16":
-        model.to(torch.bfloat16)
-    optimizer = build_optimizer(model, level, arguments.strategy)
     records = []
-    for step in tqdm(range(arguments.steps), desc=f"{arguments.strategy} × {world}, level {level}", disable=rank != 0):
-        inputs, targets = global_batch(step, arguments.batch * world, arguments.seq, config["vocab_size"])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss = step_on_slices(model, optimizer, inputs.to(device), targets.to(device), rank, world)
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # also waits for the step on every process
-        records.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - start})
+    if arguments.baseline and world > 1:
+        alone = dist.new_group([0])  # every process takes part in creating a group, members or not
+        if rank == 0:
+            records += timed_steps(arguments, level, device, alone)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the baseline's model and optimizer state are garbage by now
+        dist.barrier()
+    records += timed_steps(arguments, level, device, dist.group.WORLD)
     if rank == 0:
-        table = pd.DataFrame(records).assign(level=level, strategy=arguments.strategy, processes=world,
-                                             config=arguments.config, device=arguments.device, dtype=arguments.dtype)
-        # The first steps compile, autotune and build communicators: the median of the later ones counts.
-        seconds = table["seconds"].iloc[min(2, len(table) - 1):].median()
+        table = pd.DataFrame(records).assign(level=level, strategy=arguments.strategy, config=arguments.config,
+                                             device=arguments.device, dtype=arguments.dtype)
         tokens = arguments.batch * arguments.seq
-        print(f"{arguments.strategy} on {world} × {arguments.device}, level {level}: {tokens / seconds:,.0f} tokens/s per "
-              f"process, {world * tokens / seconds:,.0f} in total; loss {table['loss'].iloc[0]:.3f} -> "
-              f"{table['loss'].iloc[-1]:.3f}")
+        together = tokens_per_second(table, world, tokens)
+        last = table[table["processes"] == world]["loss"]
+        print(f"{arguments.strategy} on {world} × {arguments.device}, level {level}: {together:,.0f} tokens/s per "
+              f"process, {world * together:,.0f} in total; loss {last.iloc[0]:.3f} -> {last.iloc[-1]:.3f}")
+        if (table["processes"] == 1).any() and world > 1:
+            alone_rate = tokens_per_second(table, 1, tokens)
+            print(f"one process alone: {alone_rate:,.0f} tokens/s; {world} processes: {world * together / alone_rate:.2f}× "
+                  f"it, scaling efficiency {together / alone_rate:.0%}")
         if arguments.csv:
             table.to_csv(arguments.csv, index=False)
     leave_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -120,8 +120,13 @@ DEFAULT_COLUMNS = ("median_ms", "graph_ms", "speedup", "pct_copy_bandwidth", "ke
 
 def show_measured(benchmark: str, file: str = "benchmarks.csv", columns: tuple[str, ...] = DEFAULT_COLUMNS) -> None:
     """Print one benchmark of the committed H100 run: eager time (what a user gets) and CUDA-graph
-    replay time (the same kernels without the host's launch cost) side by side."""
-    rows = measured(benchmark, file)
+    replay time (the same kernels without the host's launch cost) side by side. A benchmark the
+    committed run does not hold yet says so."""
+    try:
+        rows = measured(benchmark, file)
+    except (KeyError, FileNotFoundError):
+        print(f"H100, {benchmark}: not measured yet (python -m profiling.gpu_suite writes it to {file})")
+        return
     table = pd.DataFrame({"level": rows["title"]})
     for column in columns:
         heading, style = FORMATS[column]

@@ -2,7 +2,10 @@
 ends: the levels' ops work under DDP's gradient hooks and FSDP2's parameter sharding unchanged."""
 
 import socket
+import subprocess
+import sys
 
+import pandas as pd
 import pytest
 import torch
 import torch.multiprocessing
@@ -20,7 +23,7 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("level", ["native", "cuda"])
+@pytest.mark.parametrize("level", ["native", "torchscript", "compile", "triton", "cuda"])
 def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(level, strategy, tmp_path):
     path = tmp_path / "parameters.pt"
     torch.multiprocessing.spawn(two_process_worker, args=(2, free_port(), level, strategy, STEPS, BATCH, SEQ, str(path)),
@@ -34,3 +37,17 @@ def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(leve
     # The weights moved: steps that did nothing would match trivially.
     initial = train_steps(level, strategy, 0, BATCH, SEQ, wrap=False)
     assert any(not torch.equal(initial[name], alone[name]) for name in alone)
+
+
+def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
+    """``torchrun -m profiling.distributed`` trains on process 0 alone, then on both, and prints the
+    scaling efficiency of the two runs; rank 0's CSV holds every step of both."""
+    csv = tmp_path / "steps.csv"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "profiling.distributed",
+               "--level", "native", "--strategy", "ddp", "--device", "cpu", "--steps", "3", "--csv", str(csv)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "scaling efficiency" in result.stdout
+    table = pd.read_csv(csv)
+    assert table.groupby("processes")["step"].apply(list).to_dict() == {1: [0, 1, 2], 2: [0, 1, 2]}
+    assert (table["seconds"] > 0).all() and table["loss"].notna().all()
