@@ -254,6 +254,15 @@ SPLIT_BLOCK = 4096
 """Elements of a split row that one program owns: a slice held in registers, 16 KB in float32."""
 
 
+@triton.jit
+def split_row_slice(row, piece, N, BLOCK_N: tl.constexpr):
+    """The device side of ``"split"``: the columns of slice ``piece`` of ``row`` in an (rows, N) matrix,
+    which of them are inside the row, and their offsets from the matrix's start. Offsets are 64-bit:
+    a few long rows still make a matrix of more than 2^31 elements."""
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols < N, row.to(tl.int64) * N + cols
+
+
 def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 

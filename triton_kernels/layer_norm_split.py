@@ -46,6 +46,7 @@ from .launch import (
     on_device,
     persistent_program_count,
     split_float,
+    split_row_slice,
 )
 
 SPLIT_WARPS = 4
@@ -60,10 +61,9 @@ def _norm_fwd_split_statistics_kernel(X, PartialMean, PartialM2, N, n_slices, BL
                                       COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     # evict_last: phase 2 reads this slice again
-    x = tl.load(X + row.to(tl.int64) * N + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
     slot = row.to(tl.int64) * n_slices + piece
     if SUBTRACT_MEAN:
         mean = tl.sum(x, axis=0) / tl.cast(tl.minimum(N - piece * BLOCK_N, BLOCK_N), COMPUTE)
@@ -99,9 +99,7 @@ def _norm_fwd_split_normalize_kernel(X, Y, W, B, PartialMean, PartialM2, Mean, R
             if SUBTRACT_MEAN:
                 tl.store(Mean + row, mean)
             tl.store(Rstd + row, rstd)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    offsets = row.to(tl.int64) * N + cols
+    cols, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     w = tl.load(W + cols, mask=mask).to(COMPUTE)
     y = (x - mean) * rstd * w
@@ -136,9 +134,9 @@ def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n):
 
 
 @triton.jit
-def _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+def _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
     """x̂ = (x − mean)·rstd of one slice of a row (0 in the padding), and the row's rstd."""
-    x = tl.load(X + tl.cast(row, tl.int64) * N + cols, mask=mask, other=0.0).to(COMPUTE)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     rstd = tl.load(Rstd + row)
     if SUBTRACT_MEAN:
         x = tl.where(mask, x - tl.load(Mean + row), 0.0)
@@ -150,10 +148,9 @@ def _norm_bwd_split_sums_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, N,
                                 COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x_hat, _ = _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE, SUBTRACT_MEAN)
-    dy = tl.load(DY + row.to(tl.int64) * N + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+    cols, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
+    x_hat, _ = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN)
+    dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
     g = dy * tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
     slot = row.to(tl.int64) * n_slices + piece
     tl.store(PartialXHatG + slot, tl.sum(x_hat * g, axis=0))
@@ -181,8 +178,8 @@ def _norm_bwd_split_dx_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, DX, 
         mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
         if SUBTRACT_MEAN:
             mean_g = tl.sum(tl.load(PartialG + slots, mask=slice_mask, other=0.0), axis=0) / N
-        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, cols, mask, N, COMPUTE, SUBTRACT_MEAN)
         offsets = tl.cast(row, tl.int64) * N + cols
+        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN)
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
         dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)

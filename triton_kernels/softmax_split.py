@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
-from .launch import cdiv, compute_dtype, launch, next_power_of_2, on_device
+from .launch import cdiv, compute_dtype, launch, next_power_of_2, on_device, split_row_slice
 
 SPLIT_WARPS = 4  # as layer_norm_split.py: 32 values a thread for a 4096-element slice
 
@@ -37,10 +37,9 @@ def _softmax_fwd_split_statistics_kernel(X, PartialMax, PartialSum, N, n_slices,
                                          COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     # evict_last: phase 2 reads this slice again. Padding reads as −inf: exp(−inf − m) = 0.
-    x = tl.load(X + row.to(tl.int64) * N + cols, mask=cols < N, other=float("-inf"),
-                eviction_policy="evict_last").to(COMPUTE)
+    x = tl.load(X + offsets, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
     slice_max = tl.max(x, axis=0)
     # A slice of only −inf has maximum −inf: shift by 0 there, so that its sum is 0 instead of
     # exp(−inf − (−inf)) = NaN (the looped kernel's guard, softmax.py).
@@ -63,9 +62,7 @@ def _softmax_fwd_split_normalize_kernel(X, Y, PartialMax, PartialSum, N, n_slice
     row_max = tl.max(maxima, axis=0)
     sums = tl.load(PartialSum + slots, mask=slice_mask, other=0.0)
     reciprocal_sum = 1.0 / tl.sum(tl.where(slice_mask, sums * tl.exp(maxima - row_max), 0.0), axis=0)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    offsets = row.to(tl.int64) * N + cols
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask)
 
@@ -89,9 +86,7 @@ def launch_softmax_fwd_split(x: torch.Tensor, out: torch.Tensor, rows: int, n: i
 def _softmax_bwd_split_dot_kernel(DY, Y, PartialDot, N, n_slices, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    offsets = row.to(tl.int64) * N + cols
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     y = tl.load(Y + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
     dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
     tl.store(PartialDot + row.to(tl.int64) * n_slices + piece, tl.sum(dy * y, axis=0))
@@ -105,9 +100,7 @@ def _softmax_bwd_split_dx_kernel(DY, Y, PartialDot, DX, N, n_slices, BLOCK_N: tl
     slices = tl.arange(0, BLOCK_SLICES)
     row_dot = tl.sum(tl.load(PartialDot + row.to(tl.int64) * n_slices + slices, mask=slices < n_slices, other=0.0),
                      axis=0)
-    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    offsets = row.to(tl.int64) * N + cols
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     y = tl.load(Y + offsets, mask=mask, other=0.0).to(COMPUTE)
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
     tl.store(DX + offsets, (y * (dy - row_dot)).to(DX.dtype.element_ty), mask=mask)
