@@ -121,6 +121,25 @@ void dispatch_lanes_per_row(int64_t n, Fn&& fn) {
   else fn(std::integral_constant<int, 32>{});
 }
 
+// Where a thread sits in the short-row layout: the first row of its warp, its own row (one per group
+// of kLanes lanes) and its lane in that group. A kernel returns when first_row_of_warp is past the last
+// row (the whole warp leaves, so no shuffle waits for it); lanes of a warp's last rows that do not
+// exist stay for the shuffles, which take the whole warp, but read and write nothing.
+template <int kLanes>
+struct LaneGroupRow {
+  static constexpr int kRowsPerWarp = kWarpSize / kLanes;
+  static constexpr int64_t kRowsPerBlock = int64_t{kWarpsPerBlock} * kRowsPerWarp;
+  int64_t first_row_of_warp;
+  int64_t row;
+  int lane;
+  __device__ LaneGroupRow()
+      : first_row_of_warp((int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kRowsPerWarp),
+        row(first_row_of_warp + threadIdx.x % kWarpSize / kLanes),
+        lane(static_cast<int>(threadIdx.x) % kLanes) {}
+  // Blocks of kWarpsPerBlock warps that cover `rows` rows.
+  static unsigned blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
+};
+
 // The most of a row one block stages in shared memory: 64 KB leaves room for 3 blocks an SM, so one
 // block's copies fly while another reduces and a third writes. A cluster of up to kMaxClusterBlocks
 // blocks (Hopper's largest; beyond 8 is "non-portable", opted into) holds a row of 16 such slices.

@@ -91,13 +91,11 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
                                int64_t rows, int64_t n, Acc<T> eps) {
   using A = Acc<T>;
   constexpr int kPacks = kLaneRowValues<A> / kVec;
-  constexpr int kRowsPerWarp = kWarpSize / kLanes;
-  const int64_t first_row_of_warp = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kRowsPerWarp;
-  if (first_row_of_warp >= rows) return;  // a whole warp leaves: no shuffle waits for it
-  // Lanes past the last row stay for the shuffles (which take the whole warp) but read and write nothing.
-  const int64_t row = first_row_of_warp + threadIdx.x % kWarpSize / kLanes;
+  const LaneGroupRow<kLanes> place;
+  if (place.first_row_of_warp >= rows) return;
+  const int64_t row = place.row;
   const bool row_exists = row < rows;
-  const int lane = static_cast<int>(threadIdx.x) % kLanes;
+  const int lane = place.lane;
   const int n_packs = static_cast<int>(n / kVec);
   const T* x_row = x + row * n;
   // Lane l of the group owns packs l, l + kLanes, ...: the group reads kLanes adjacent packs at each step.
@@ -240,9 +238,8 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
       if (n <= kWarpSize * kLaneRowValues<A>) {
         dispatch_lanes_per_row<A>(n, [&](auto lanes) {
           constexpr int kLanes = decltype(lanes)::value;
-          const int64_t rows_per_block = kWarpsPerBlock * (kWarpSize / kLanes);
           layer_norm_forward_warp_kernel<T, kVec, kLanes, kSubtractMean>
-              <<<static_cast<unsigned>(ceil_div(rows, rows_per_block)), kWarpsPerBlock * kWarpSize, 0, s>>>(
+              <<<LaneGroupRow<kLanes>::blocks(rows), kWarpsPerBlock * kWarpSize, 0, s>>>(
                   in, w, b, out, means, rstds, rows, n, static_cast<A>(eps));
         });
       } else {
