@@ -216,6 +216,31 @@ class LayerNormTriton(_LayerNormKernel):
     backend = staticmethod(triton_backend)
 
 
+class LayerNormTritonVersion(LayerNormTriton):
+    """An earlier rung of level 4's LayerNorm forward kernel, kept runnable so a lesson can time the climb
+    (``triton_kernels.layer_norm_versions`` says what each version adds): forward only. Version 3 is
+    level 4's own kernel."""
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, version: int = 3):
+        super().__init__(normalized_shape, eps)
+        self.version = int(version)
+
+    def compute(self, x):
+        return normalize_rows(self._forward_version, x, self.normalized_shape, (self.weight, self.bias), self.eps)
+
+    def _forward_version(self, x, weight, bias, eps):
+        return self.backend().layer_norm_forward_version(x, weight, bias, eps, self.version)
+
+
+def layer_norm_triton_versions(normalized_shape: int | Sequence[int], eps: float = 1e-5) -> dict[str, LayerNormTritonVersion]:
+    """``{"version 1: ...": module, ...}``: every rung of level 4's LayerNorm forward, for
+    ``compare_optimization_levels``."""
+    from triton_kernels.layer_norm_versions import LAYER_NORM_VERSIONS
+
+    return {f"version {version}: {what}": LayerNormTritonVersion(normalized_shape, eps, version)
+            for version, what in LAYER_NORM_VERSIONS.items()}
+
+
 class LayerNormCUDA(_LayerNormKernel):
     """Level 5: CUDA kernels with 16-byte loads and warp-shuffle reductions, plus OpenMP C++ CPU kernels."""
 

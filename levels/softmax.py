@@ -140,8 +140,11 @@ class _SoftmaxKernel(SoftmaxSpec):
 
     def compute(self, x):
         if self.dim in (-1, x.dim() - 1):
-            return self.backend().softmax(x.contiguous())  # a non-contiguous x is copied, once
-        return self.backend().softmax(x.movedim(self.dim, -1).contiguous()).movedim(-1, self.dim)
+            return self.softmax_last_dim(x.contiguous())  # a non-contiguous x is copied, once
+        return self.softmax_last_dim(x.movedim(self.dim, -1).contiguous()).movedim(-1, self.dim)
+
+    def softmax_last_dim(self, x):
+        return self.backend().softmax(x)
 
 
 class SoftmaxTriton(_SoftmaxKernel):
@@ -150,6 +153,27 @@ class SoftmaxTriton(_SoftmaxKernel):
 
     level = "triton"
     backend = staticmethod(triton_backend)
+
+
+class SoftmaxTritonVersion(SoftmaxTriton):
+    """An earlier rung of level 4's softmax forward kernel, kept runnable so a lesson can time the climb
+    (``triton_kernels.softmax_versions`` says what each version adds): forward only. Version 3 is
+    level 4's own kernel."""
+
+    def __init__(self, dim: int = -1, version: int = 3):
+        super().__init__(dim)
+        self.version = int(version)
+
+    def softmax_last_dim(self, x):
+        return self.backend().softmax_forward_version(x, self.version)
+
+
+def softmax_triton_versions(dim: int = -1) -> dict[str, SoftmaxTritonVersion]:
+    """``{"version 1: ...": module, ...}``: every rung of level 4's softmax forward, for
+    ``compare_optimization_levels``."""
+    from triton_kernels.softmax_versions import SOFTMAX_VERSIONS
+
+    return {f"version {version}: {what}": SoftmaxTritonVersion(dim, version) for version, what in SOFTMAX_VERSIONS.items()}
 
 
 class SoftmaxCUDA(_SoftmaxKernel):

@@ -18,6 +18,9 @@
     adamw_step(params, grads, exp_avgs,        -> None  (triton_kernels/adamw.py: AdamW over every parameter
                exp_avg_sqs, lr, beta1, beta2,            in one launch, in place)
                eps, weight_decay, step)
+    layer_norm_forward_version(x, weight,      -> y     (triton_kernels/layer_norm_versions.py: the earlier
+                               bias, eps, version)       versions of the forward, for the lesson's timings)
+    softmax_forward_version(x, version)        -> y     (triton_kernels/softmax_versions.py: the same for softmax)
 
 Importing this package registers the ops ``triton_kernels::swish_forward``, ``swish_backward``,
 ``layer_norm_forward``, ``layer_norm_backward``, ``rms_norm_forward``, ``rms_norm_backward``,
@@ -26,7 +29,8 @@ Importing this package registers the ops ``triton_kernels::swish_forward``, ``sw
 ``feed_forward_forward``, ``feed_forward_backward``, ``linear_cross_entropy_forward`` and
 ``linear_cross_entropy_backward``, each with a fake (shape-only) implementation for torch.compile and an
 autograd formula; and ``adamw_step`` (which updates its lists in place) and ``decode_attention``, each
-with a fake and no gradient. On a machine without a GPU the same kernels run through Triton's
+with a fake and no gradient; and ``layer_norm_forward_version`` and ``softmax_forward_version``, each with
+a fake and a backward that refuses. On a machine without a GPU the same kernels run through Triton's
 interpreter, on CPU tensors: correct, and slow.
 
 Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``rms_norm``, ``softmax``,
@@ -85,10 +89,12 @@ from .attention import attention  # noqa: E402
 from .attention_decode import decode_attention  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
+from .layer_norm_versions import layer_norm_forward_version  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
 from .softmax import softmax  # noqa: E402
+from .softmax_versions import softmax_forward_version  # noqa: E402
 from .swish import swish  # noqa: E402
 
-__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear", "linear_cross_entropy",
-           "rms_norm", "softmax", "swish"]
+__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "layer_norm_forward_version",
+           "linear", "linear_cross_entropy", "rms_norm", "softmax", "softmax_forward_version", "swish"]

@@ -143,6 +143,22 @@ def row_matrix(op: str, x: torch.Tensor) -> tuple[int, int]:
     return (x.numel() // n if n else 0), n
 
 
+def check_version(op: str, version: int, versions: dict[int, str]) -> None:
+    """The earlier versions of a kernel (``layer_norm_versions.py``, ``softmax_versions.py``) go by number."""
+    if version not in versions:
+        raise ValueError(f"triton_kernels::{op}: version {version} does not exist "
+                         f"(versions: {', '.join(map(str, versions))})")
+
+
+def refuse_backward(op: str, instead: str):
+    """The autograd formula of a forward-only op: a clear error instead of a gradient. The earlier
+    versions of a kernel exist to time the forward's climb; ``instead`` names what differentiates."""
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"triton_kernels::{op} is forward only (it times an earlier version of the "
+                                  f"forward kernel); for gradients use {instead}")
+    return backward
+
+
 # --- dtypes ----------------------------------------------------------------------------------------
 
 

@@ -165,6 +165,15 @@ def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
             tl.store(Mean + row, mean)
         tl.store(Rstd + row, rstd)
     # pass 2: normalise, scale and shift (RMSNorm: mean stays 0)
+    normalize_row_blocks(X, Y, W, B, N, mean, rstd, BLOCK_N, COMPUTE, HAS_BIAS)
+
+
+@triton.jit
+def normalize_row_blocks(X, Y, W, B, N, mean, rstd, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
+    """y = (x − mean)·rstd·w (+ b) over the row of N values at X, block by block: the last pass of the
+    looped kernel, and of the earlier versions in ``layer_norm_versions.py``."""
+    cols = tl.arange(0, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)

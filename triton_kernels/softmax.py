@@ -116,11 +116,18 @@ def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.const
     row = tl.program_id(0)
     X += row.to(tl.int64) * N
     Y += row.to(tl.int64) * N
-    cols = tl.arange(0, BLOCK_N)
     # pass 1: the row's maximum and sum of exponentials, online
     row_max, row_sum = row_max_and_sum_of_exp(X, N, BLOCK_N, COMPUTE)
-    reciprocal_sum = 1.0 / row_sum
     # pass 2: normalise
+    write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N, COMPUTE)
+
+
+@triton.jit
+def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """y = exp(x − row_max) / row_sum over the row of N values at X, block by block: the last pass of
+    the online kernel, and of the earlier versions in ``softmax_versions.py``."""
+    cols = tl.arange(0, BLOCK_N)
+    reciprocal_sum = 1.0 / row_sum  # one division a row, then a multiply per element
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
