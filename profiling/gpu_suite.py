@@ -28,7 +28,7 @@ Without --part every part runs in turn. Each part writes, under --out:
     sweep[-backward].csv/.png  sweep, sweep-backward: LayerNorm, RMSNorm and softmax over rows of 128 …
                              4,194,304 elements at 2^26 elements each point (profiling.sweep);
     softmax-long-rows.csv    sweep: softmax on 4096 × 262,144 float32
-    versions.csv             versions: each version of level 5's Swish kernel side by side
+    versions.csv             versions: each version of a kernel the lessons show growing, side by side
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
@@ -52,6 +52,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,21 +400,31 @@ def check_sweep_targets(sweeps: dict[str, pd.DataFrame], path: Path, extra: str 
     return report
 
 
-def run_version_benchmarks(device: torch.device, out: Path, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
-    """The climb to level 5's Swish kernel (``levels.swish.swish_cuda_versions``), each version side by
-    side on 8192 × 8192 in float32 and bfloat16, against the first version's float64 run."""
+def _version_ladders() -> list[tuple[str, Callable[[], dict], tuple[int, ...]]]:
+    """(component, its versions as {"version N: what": module}, shape): the climbs the lessons show,
+    level 5's Swish (lesson 01) and level 4's LayerNorm and softmax (lessons 02 and 03)."""
+    from levels.layer_norm import layer_norm_triton_versions
+    from levels.softmax import softmax_triton_versions
     from levels.swish import swish_cuda_versions
 
+    return [("swish", swish_cuda_versions, (8192, 8192)),
+            ("layer_norm", lambda: layer_norm_triton_versions(8192), (8192, 8192)),
+            ("softmax", softmax_triton_versions, (8192, 8192))]
+
+
+def run_version_benchmarks(device: torch.device, out: Path, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
+    """Each kernel's climb (``_version_ladders``), its versions side by side in float32 and bfloat16,
+    against the first version's float64 run; forward only, as the earlier versions are."""
     tables = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        name = f"swish versions {str(dtype).removeprefix('torch.')}"
-        if not _chosen(name, only):
-            continue
-        tables[name] = compare_optimization_levels(swish_cuda_versions(), (8192, 8192), dtype=dtype, device=device,
-                                                   budget_s=budget_s)
-        tables[name].attrs["benchmark"] = name
-        tqdm.write(f"{name}\n{format_table(tables[name])}\n")
-        pd.concat([with_setup_columns(t) for t in tables.values()]).to_csv(out / "versions.csv", index=False)
+    for component, versions, shape in _version_ladders():
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{component} versions {str(dtype).removeprefix('torch.')}"
+            if not _chosen(name, only):
+                continue
+            tables[name] = compare_optimization_levels(versions(), shape, dtype=dtype, device=device, budget_s=budget_s)
+            tables[name].attrs["benchmark"] = name
+            tqdm.write(f"{name}\n{format_table(tables[name])}\n")
+            pd.concat([with_setup_columns(t) for t in tables.values()]).to_csv(out / "versions.csv", index=False)
     return tables
 
 
