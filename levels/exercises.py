@@ -8,13 +8,17 @@ are our answers, kept out of the notebooks and run through the same checks by
     post_norm_block(block, x)                     lesson 06   the original transformer's block order
     greedy_decode_with_graph(model, prompt, n)    lesson 07   a CUDA graph around the decode step
     adamw_by_hand(param, grad, m, v, step, ...)   lesson 08   AdamW from the textbook formula
+    swap_layer_norms(model, level)                lesson 10   a transformers GPT-2's LayerNorms at a level
+    average_gradients(replicas)                   lesson 11   DDP's all-reduce, on replicas in one process
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .gpt import GPTSpec, _StaticCacheDecoder
+from .huggingface import _layer_norm
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
@@ -90,3 +94,33 @@ def adamw_by_hand(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     exp_avg_hat = exp_avg / (1 - beta1**step)
     exp_avg_sq_hat = exp_avg_sq / (1 - beta2**step)
     param.sub_(lr * (exp_avg_hat / (exp_avg_sq_hat.sqrt() + eps) + weight_decay * param))
+
+
+def swap_layer_norms(model: nn.Module, level: str) -> None:
+    """Every ``nn.LayerNorm`` of ``model`` (a ``transformers`` GPT-2: each block's ``ln_1`` and ``ln_2``,
+    and ``ln_f``) replaced, in place, by ``level``'s LayerNorm holding the same weight and bias.
+
+    Notice two things. The module is replaced in its *parent* (``setattr`` on the block), since a
+    module does not know where it hangs. And the new module is given the old one's Parameters
+    themselves, not copies (``load_state_dict`` would copy): an optimizer made earlier keeps training
+    the tensors the model computes with, and no memory is spent twice. ``levels.huggingface.apply``
+    swaps the LayerNorms with the same helper, and the MLP, attention and LM head besides."""
+    layer_norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
+    for name in layer_norms:  # listed first: the loop changes the modules it would walk
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, _layer_norm(model.get_submodule(name), level))
+
+
+@torch.no_grad()
+def average_gradients(replicas: list[nn.Module]) -> None:
+    """Every parameter's gradient, in every replica, replaced by its mean over the replicas: what DDP's
+    all-reduce leaves on each process after the backward.
+
+    Notice that each replica gets the mean, not only the first: the replicas stay one model only if
+    every one of them takes the same optimizer step. On real processes each holds one replica and this
+    loop is ``dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)`` per gradient (DDP does it per bucket of
+    gradients, while the backward still runs)."""
+    for parameters in zip(*(replica.parameters() for replica in replicas)):
+        mean = torch.stack([parameter.grad for parameter in parameters]).mean(dim=0)
+        for parameter in parameters:
+            parameter.grad.copy_(mean)

@@ -13,9 +13,10 @@ tensors (DDP's gradient hooks fire on the parameters; FSDP gathers a block's par
 block's forward runs), which ``step_on_slices`` and the two-process test check, parameter by parameter,
 against one process on the whole batch.
 
-Rank 0 shows a progress bar, prints tokens/s per process and in total, and writes a CSV of the loss
-and time of every step. Scaling efficiency is a ratio of two runs, N processes against one, on the
-same per-process batch.
+Rank 0 shows a progress bar, prints ``scaling_table`` (tokens/s per process and in total, speedup and
+scaling efficiency) and writes a CSV of the loss and time of every step. Scaling efficiency is a ratio
+of two runs, N processes against one, on the same per-process batch; ``show_several_gpu_run`` prints
+the table of the committed several-GPU run, which lesson 11 shows.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -76,17 +79,23 @@ def global_batch(step: int, batch: int, seq: int, vocab_size: int) -> tuple[torc
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def backward_on_slice(model, inputs: torch.Tensor, targets: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Forward and backward on process ``rank``'s 1/world of the batch; its mean loss over those tokens."""
+    per_process = inputs.shape[0] // world
+    rows = slice(rank * per_process, (rank + 1) * per_process)
+    loss = model(inputs[rows], targets[rows])
+    loss.backward()
+    return loss.detach()
+
+
 def step_on_slices(model, optimizer, inputs: torch.Tensor, targets: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """One training step on this process's 1/world of the batch. The model's loss is a mean over its
     tokens, and DDP and FSDP average the gradients over the processes, so with equal slices the step
     is the one a single process takes on the whole batch."""
-    per_process = inputs.shape[0] // world
-    rows = slice(rank * per_process, (rank + 1) * per_process)
     optimizer.zero_grad(set_to_none=True)
-    loss = model(inputs[rows], targets[rows])
-    loss.backward()
+    loss = backward_on_slice(model, inputs, targets, rank, world)
     optimizer.step()
-    return loss.detach()
+    return loss
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -201,12 +210,59 @@ def tokens_per_second(table, processes: int, tokens_per_process: int) -> float:
     return tokens_per_process / seconds.iloc[min(2, len(seconds) - 1):].median()
 
 
+def scaling_table(steps: pd.DataFrame, tokens_per_process: int) -> pd.DataFrame:
+    """One row per process count in ``steps`` (``main``'s records): tokens/s per process and in total,
+    the speedup of the total over one process's, and scaling efficiency, that speedup over the number
+    of processes (100 %: every process as fast as one alone). Without a one-process run the last two
+    are NaN."""
+    table = pd.DataFrame({"processes": sorted(steps["processes"].unique())})
+    table["tokens_per_s_per_process"] = [tokens_per_second(steps, processes, tokens_per_process)
+                                         for processes in table["processes"]]
+    table["tokens_per_s"] = table["processes"] * table["tokens_per_s_per_process"]
+    alone = table.loc[table["processes"] == 1, "tokens_per_s"]
+    table["speedup"] = table["tokens_per_s"] / (alone.iloc[0] if len(alone) else float("nan"))
+    table["scaling_efficiency"] = table["speedup"] / table["processes"]
+    return table
+
+
+SCALING_FORMATS = {"processes": ("processes", "{:d}"), "tokens_per_s_per_process": ("tokens/s per process", "{:,.0f}"),
+                   "tokens_per_s": ("tokens/s in total", "{:,.0f}"), "speedup": ("speedup", "{:.2f}×"),
+                   "scaling_efficiency": ("scaling efficiency", "{:.0%}")}
+
+
+def format_scaling_table(table: pd.DataFrame) -> str:
+    """``scaling_table``'s rows as text, each column rounded to what it can tell."""
+    shown = {heading: [("—" if pd.isna(value) else style.format(value)) for value in table[column]]  # —: no baseline
+             for column, (heading, style) in SCALING_FORMATS.items()}
+    return pd.DataFrame(shown).to_string(index=False)
+
+
+SEVERAL_GPU_RUN = Path(__file__).parent / "results" / "h200x2" / "distributed.csv"
+"""Where the lesson looks for a launch on several GPUs (``main``'s ``--csv``)."""
+
+SEVERAL_GPU_COMMAND = ("torchrun --nproc_per_node=2 -m profiling.distributed --level cuda --strategy ddp "
+                       "--config gpt2-small --device cuda --batch 8 --seq 1024 --steps 20 "
+                       "--csv profiling/results/h200x2/distributed.csv")
+
+
+def show_several_gpu_run(path: Path = SEVERAL_GPU_RUN) -> None:
+    """Print the scaling table of every run in ``path``, or, where no several-GPU run exists yet, the
+    command that makes one."""
+    if not path.exists():
+        print("no several-GPU run yet. On a machine with 2 GPUs, this command, from the repository's root, "
+              f"makes the one shown here:\n  {SEVERAL_GPU_COMMAND}")
+        return
+    steps = pd.read_csv(path)
+    for (strategy, level, config, device, dtype, batch, seq), run in steps.groupby(
+            ["strategy", "level", "config", "device", "dtype", "batch", "seq"]):
+        print(f"{strategy} on {device}, level {level}, {config}, {dtype}, {batch} × {seq} tokens a process and step:")
+        print(format_scaling_table(scaling_table(run, batch * seq)))
+
+
 def main(argv=None) -> NoReturn:
     """Train on every process; first, unless ``--no-baseline``, on process 0 alone (its own one-process
     group, wrapped the same way) while the others wait, so that scaling efficiency, tokens/s on N
     processes over N × one process's, comes from one launch on one machine."""
-    import pandas as pd
-
     arguments = parse_arguments(argv)
     level = levels.resolve_level(arguments.level)
     backend = "nccl" if arguments.device == "cuda" else "gloo"
@@ -227,16 +283,11 @@ def main(argv=None) -> NoReturn:
     records += timed_steps(arguments, level, device, dist.group.WORLD)
     if rank == 0:
         table = pd.DataFrame(records).assign(level=level, strategy=arguments.strategy, config=arguments.config,
-                                             device=arguments.device, dtype=arguments.dtype)
-        tokens = arguments.batch * arguments.seq
-        together = tokens_per_second(table, world, tokens)
-        last = table[table["processes"] == world]["loss"]
-        print(f"{arguments.strategy} on {world} × {arguments.device}, level {level}: {together:,.0f} tokens/s per "
-              f"process, {world * together:,.0f} in total; loss {last.iloc[0]:.3f} -> {last.iloc[-1]:.3f}")
-        if (table["processes"] == 1).any() and world > 1:
-            alone_rate = tokens_per_second(table, 1, tokens)
-            print(f"one process alone: {alone_rate:,.0f} tokens/s; {world} processes: {world * together / alone_rate:.2f}× "
-                  f"it, scaling efficiency {together / alone_rate:.0%}")
+                                             device=arguments.device, dtype=arguments.dtype, batch=arguments.batch,
+                                             seq=arguments.seq)
+        print(f"{arguments.strategy} on {world} × {arguments.device}, level {level}, "
+              f"{arguments.batch} × {arguments.seq} tokens a process and step:")
+        print(format_scaling_table(scaling_table(table, arguments.batch * arguments.seq)))
         if arguments.csv:
             table.to_csv(arguments.csv, index=False)
     leave_process_group()

@@ -13,19 +13,23 @@ changes them, and the lessons that print them must then be executed again.
 
 An exercise check runs the learner's function on fresh random inputs (fixed seeds, never the inputs
 the lesson showed), compares each result with a float64 run of the formula (level 1 where it
-exists, else our reference solution in ``levels/exercises.py``) within the float32 tolerance, and
-prints one line: ``exercise relu_squared: pass``, ``... not implemented yet`` (the skeleton raises
-NotImplementedError) or ``... fail: <why>``. Our own solutions, in ``triton_kernels/exercises.py``
+exists, else our reference solution in ``levels/exercises.py``) within the tolerance of the dtype
+the exercise computes in (float32, or float64 where the point is exact agreement), and prints one
+line: ``exercise relu_squared: pass``, ``... not implemented yet`` (the skeleton raises
+NotImplementedError) or ``... fail: <why>``, the why an error size or, for exercises that patch a
+model, what was left unpatched or copied. Our own solutions, in ``triton_kernels/exercises.py``
 and ``levels/exercises.py``, pass the same checks in ``tests/test_exercises.py``.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import pandas as pd
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import levels
@@ -34,6 +38,7 @@ from levels.exercises import post_norm_block
 from levels.gpt import TINY
 
 from .compare import perturb_parameters_
+from .distributed import CONFIGS, backward_on_slice, build_optimizer, global_batch
 
 # --- counting level 1's ops and passes --------------------------------------------------------------------
 
@@ -143,6 +148,11 @@ Case = tuple[str, object, torch.Tensor]
 """(what the inputs were, the candidate's result, the float64 truth)."""
 
 
+class ExerciseFailure(Exception):
+    """What a check finds wrong that is not an error size (a module left unswapped, a copied Parameter):
+    raised by an exercise's cases, reported as its ``fail:`` line."""
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -228,26 +238,95 @@ def _adamw_step_cases(candidate) -> Iterator[Case]:
     yield "a (33, 17) parameter after 3 steps", param, parameter.detach()
 
 
-EXERCISES: dict[str, tuple[str, Callable[[Callable], Iterator[Case]]]] = {
-    "relu_squared": ("01", _relu_squared_cases),
-    "rms_norm": ("02", _rms_norm_cases),
-    "log_softmax": ("03", _log_softmax_cases),
-    "windowed_attention": ("04", _windowed_attention_cases),
-    "linear_bias_residual": ("05", _linear_bias_residual_cases),
-    "post_norm_block": ("06", _post_norm_block_cases),
-    "cuda_graph_decode": ("07", _cuda_graph_decode_cases),
-    "adamw_step": ("08", _adamw_step_cases),
+def _swap_layer_norms_cases(candidate) -> Iterator[Case]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    generator = torch.Generator().manual_seed(109)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, attn_pdrop=0.0,
+                        resid_pdrop=0.0, embd_pdrop=0.0)
+    for level in ("native", "cuda"):  # two levels: an answer must build the one it is asked for
+        torch.manual_seed(109)
+        # Every LayerNorm weight moved off 1 and bias off 0: a fresh module in its place would show.
+        model = perturb_parameters_(GPT2LMHeadModel(config)).to(_device()).eval()
+        reference = copy.deepcopy(model).double()
+        originals = {name: module for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)}
+        candidate(model, level)
+        for name, original in originals.items():
+            swapped = model.get_submodule(name)
+            if not isinstance(swapped, levels.level_class("layer_norm", level)):
+                raise ExerciseFailure(f"{name} is a {type(swapped).__name__}, not level {level}'s LayerNorm")
+            if swapped.weight is not original.weight or swapped.bias is not original.bias:
+                raise ExerciseFailure(f"{name} holds copies of the LayerNorm's weight and bias, not its Parameters: "
+                                      "an optimizer made before the swap would train tensors the model no longer uses")
+        ids = torch.randint(0, config.vocab_size, (2, 19), generator=generator).to(_device())
+        with torch.no_grad():
+            yield f"level {level}, the logits of 2 × 19 tokens", model(ids).logits, reference(ids).logits
+
+
+def _check_replicas_agree(replicas, tensors: Callable[[nn.Module], Iterator[torch.Tensor]], what: str) -> None:
+    """ExerciseFailure naming the first of ``what`` in which a replica differs from replica 0."""
+    names = [name for name, _ in replicas[0].named_parameters()]
+    for index, replica in enumerate(replicas[1:], start=1):
+        for name, mine, first in zip(names, tensors(replica), tensors(replicas[0])):
+            if not levels.relative_max_error(mine, first) <= levels.TOLERANCE[torch.float64]:
+                raise ExerciseFailure(f"replica {index}'s {what} of {name} differs from replica 0's: "
+                                      "the replicas no longer hold one model")
+
+
+def _average_gradients_cases(candidate) -> Iterator[Case]:
+    config = CONFIGS["tiny"]
+    torch.manual_seed(110)
+    whole = levels.build("gpt", "native", **config).double()
+    replicas = [copy.deepcopy(whole) for _ in range(2)]
+    inputs, targets = global_batch(0, 4, 16, config["vocab_size"])
+    backward_on_slice(whole, inputs, targets, 0, 1)
+    for rank, replica in enumerate(replicas):
+        backward_on_slice(replica, inputs, targets, rank, len(replicas))
+    candidate(replicas)
+    _check_replicas_agree(replicas, lambda model: (p.grad for p in model.parameters()), "gradient")
+    # The gradients first: AdamW divides a gradient by its own size, so a sum in place of the mean
+    # would move the weights almost exactly as the mean does; plain SGD would step twice as far.
+    for (name, parameter), truth in zip(replicas[0].named_parameters(), whole.parameters()):
+        yield f"the gradient of {name}", parameter.grad, truth.grad
+    for model in (whole, *replicas):
+        build_optimizer(model, "native", "ddp").step()
+    _check_replicas_agree(replicas, lambda model: model.parameters(), "weight")
+    for (name, parameter), truth in zip(replicas[0].named_parameters(), whole.parameters()):
+        yield f"{name} after one AdamW step", parameter.detach(), truth.detach()
+
+
+class Exercise(NamedTuple):
+    """The lesson an exercise closes, the cases its check runs, and the dtype the candidate computes
+    in, whose tolerance (``levels.TOLERANCE``) its results are held to."""
+
+    lesson: str
+    cases: Callable[[Callable], Iterator[Case]]
+    dtype: torch.dtype = torch.float32
+
+
+EXERCISES: dict[str, Exercise] = {
+    "relu_squared": Exercise("01", _relu_squared_cases),
+    "rms_norm": Exercise("02", _rms_norm_cases),
+    "log_softmax": Exercise("03", _log_softmax_cases),
+    "windowed_attention": Exercise("04", _windowed_attention_cases),
+    "linear_bias_residual": Exercise("05", _linear_bias_residual_cases),
+    "post_norm_block": Exercise("06", _post_norm_block_cases),
+    "cuda_graph_decode": Exercise("07", _cuda_graph_decode_cases),
+    "adamw_step": Exercise("08", _adamw_step_cases),
+    "swap_layer_norms": Exercise("10", _swap_layer_norms_cases),
+    "average_gradients": Exercise("11", _average_gradients_cases, torch.float64),  # as train_steps, for its reason
 }
-"""Each exercise: the lesson it closes, and the cases its check runs."""
+
 
 
 def exercise_verdict(name: str, candidate: Callable) -> str:
     """The check's one line, without printing it (``check_exercise`` prints it)."""
     if name not in EXERCISES:
         raise KeyError(f"no exercise {name!r}: the exercises are {list(EXERCISES)}")
-    _, cases = EXERCISES[name]
+    exercise = EXERCISES[name]
+    tolerance = levels.TOLERANCE[exercise.dtype]
     try:
-        for inputs, result, truth in cases(candidate):
+        for inputs, result, truth in exercise.cases(candidate):
             if not isinstance(result, torch.Tensor):
                 return f"exercise {name}: fail: returned {type(result).__name__} for {inputs}, expected a tensor"
             if result.shape != truth.shape:
@@ -258,10 +337,12 @@ def exercise_verdict(name: str, candidate: Callable) -> str:
                     return f"exercise {name}: fail: different tokens from level 1's for {inputs}"
                 continue
             error = levels.relative_max_error(result, truth)
-            if not error <= TOLERANCE:  # also true for NaN
-                return f"exercise {name}: fail: max relative error {error:.0e} > {TOLERANCE:.0e} for {inputs}"
+            if not error <= tolerance:  # also true for NaN
+                return f"exercise {name}: fail: max relative error {error:.0e} > {tolerance:.0e} for {inputs}"
     except NotImplementedError:
         return f"exercise {name}: not implemented yet"
+    except ExerciseFailure as failure:
+        return f"exercise {name}: fail: {failure}"
     except Exception as error:  # the learner's bug, reported as the verdict rather than a traceback
         return f"exercise {name}: fail: {type(error).__name__}: {error}"
     if name == "cuda_graph_decode" and not torch.cuda.is_available():

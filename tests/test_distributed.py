@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing
 
 from levels import TOLERANCE, relative_max_error
-from profiling.distributed import train_steps, two_process_worker
+from profiling.distributed import (format_scaling_table, scaling_table, show_several_gpu_run, train_steps,
+                                  two_process_worker)
 
 STEPS, BATCH, SEQ = 2, 4, 16
 
@@ -51,3 +52,32 @@ def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
     table = pd.read_csv(csv)
     assert table.groupby("processes")["step"].apply(list).to_dict() == {1: [0, 1, 2], 2: [0, 1, 2]}
     assert (table["seconds"] > 0).all() and table["loss"].notna().all()
+
+
+def test_scaling_table_rates_each_process_count_by_its_median_step_after_the_first_two():
+    # 100 tokens a process; the first two steps of each run (compiling, building communicators) are left out.
+    steps = pd.DataFrame({"processes": [1] * 5 + [2] * 5,
+                          "seconds": [9.0, 9.0, 1.0, 2.0, 3.0] + [9.0, 9.0, 2.5, 2.5, 4.0]})
+    table = scaling_table(steps, tokens_per_process=100).set_index("processes")
+    assert table["tokens_per_s_per_process"].to_dict() == {1: 50.0, 2: 40.0}  # 100 / 2.0 s, 100 / 2.5 s
+    assert table["tokens_per_s"].to_dict() == {1: 50.0, 2: 80.0}
+    assert table["speedup"].tolist() == pytest.approx([1.0, 1.6])  # 80 / 50
+    assert table["scaling_efficiency"].tolist() == pytest.approx([1.0, 0.8])  # 1.6 / 2
+    shown = format_scaling_table(table.reset_index())
+    assert "scaling efficiency" in shown and "80%" in shown and "1.60×" in shown
+    # Without a one-process run there is nothing to compare with: no speedup, no efficiency.
+    alone_missing = scaling_table(steps[steps["processes"] == 2], tokens_per_process=100)
+    assert alone_missing["tokens_per_s"].tolist() == [80.0] and alone_missing["speedup"].isna().all()
+
+
+def test_the_lesson_shows_a_several_gpu_run_or_the_command_that_makes_it(tmp_path, capsys):
+    path = tmp_path / "distributed.csv"
+    show_several_gpu_run(path)
+    assert "no several-GPU run yet" in capsys.readouterr().out
+    steps = pd.DataFrame({"processes": [1] * 3 + [2] * 3, "step": [0, 1, 2] * 2, "loss": 5.0,
+                          "seconds": [9.0, 9.0, 2.0, 9.0, 9.0, 2.5]})
+    steps.assign(level="cuda", strategy="ddp", config="gpt2-small", device="cuda", dtype="bfloat16", batch=8,
+                 seq=1024).to_csv(path, index=False)
+    show_several_gpu_run(path)
+    shown = capsys.readouterr().out
+    assert "ddp on cuda, level cuda, gpt2-small, bfloat16, 8 × 1024 tokens" in shown and "80%" in shown
