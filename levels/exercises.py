@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gpt import GPTSpec, _StaticCacheDecoder
-from .huggingface import _layer_norm
+from .gpt import GPTSpec, StaticCacheDecoder
+from .huggingface import level_layer_norm
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def greedy_decode_with_graph(model: GPTSpec, prompt: torch.Tensor, new_tokens: i
     the host or compile during capture, so it is run once first on a side stream (a warm-up) whose
     side effect, advancing the position, is undone. On the CPU there is no graph: the same static step
     runs eagerly, so the tokens, which are the check, are the same."""
-    decoder = _StaticCacheDecoder(model, prompt, capture=False)
+    decoder = StaticCacheDecoder(model, prompt, capture=False)
     logits = decoder.prefill(prompt)
     tokens = [prompt, logits[:, -1].argmax(dim=-1, keepdim=True)]
     step = decoder._step
@@ -108,7 +108,7 @@ def swap_layer_norms(model: nn.Module, level: str) -> None:
     layer_norms = [name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)]
     for name in layer_norms:  # listed first: the loop changes the modules it would walk
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, _layer_norm(model.get_submodule(name), level))
+        setattr(model.get_submodule(parent), child, level_layer_norm(model.get_submodule(name), level))
 
 
 @torch.no_grad()

@@ -149,7 +149,7 @@ class GPTSpec(ComponentSpec):
             cuda_graph = idx.is_cuda
         if cuda_graph and not idx.is_cuda:
             print("gpt.generate: no CUDA graphs on the CPU; the static-cache decode step runs eagerly", file=sys.stderr)
-        decoder = self._static_decoder(idx) if cuda_graph else _GrowingCacheDecoder(self)
+        decoder = self._static_decoder(idx) if cuda_graph else GrowingCacheDecoder(self)
         tokens = [idx]
         logits = decoder.prefill(idx)
         for step in range(max_new_tokens):
@@ -159,10 +159,10 @@ class GPTSpec(ComponentSpec):
                 logits = decoder.step(next_token)
         return torch.cat(tokens, dim=1)
 
-    def _static_decoder(self, idx: torch.Tensor) -> "_StaticCacheDecoder":
+    def _static_decoder(self, idx: torch.Tensor) -> "StaticCacheDecoder":
         decoder = self.__dict__.get("_decoder")
         if decoder is None or decoder.token.shape != (idx.shape[0], 1) or decoder.token.device != idx.device:
-            decoder = _StaticCacheDecoder(self, idx, capture=idx.is_cuda)
+            decoder = StaticCacheDecoder(self, idx, capture=idx.is_cuda)
             self.__dict__["_decoder"] = decoder  # not a submodule: no state_dict entry, no .to()
         return decoder
 
@@ -204,7 +204,7 @@ class GPTSpec(ComponentSpec):
         return blocks + (self.wte.weight.numel() * dtype.itemsize + logits) * (3 if backward else 1)
 
 
-class _GrowingCacheDecoder:
+class GrowingCacheDecoder:
     """Decoding as written: every step launched from Python, the cache grown by concatenation."""
 
     def __init__(self, model: GPTSpec):
@@ -218,7 +218,7 @@ class _GrowingCacheDecoder:
         return self.model.compute(token, self.caches)
 
 
-class _StaticCacheDecoder:
+class StaticCacheDecoder:
     """Decoding with a cache preallocated to ``block_size`` and one decode step captured as a CUDA graph.
 
     The step reads its token from a fixed buffer, its position from the device (``DecodePosition``),

@@ -93,14 +93,14 @@ def apply(model: nn.Module, level: str | int) -> nn.Module:
 
     patch = _Patch(level, model.config._attn_implementation)
     for block in body.h:
-        patch.replace(block, "ln_1", _layer_norm(block.ln_1, level))
-        patch.replace(block, "ln_2", _layer_norm(block.ln_2, level))
+        patch.replace(block, "ln_1", level_layer_norm(block.ln_1, level))
+        patch.replace(block, "ln_2", level_layer_norm(block.ln_2, level))
         patch.replace(block, "mlp", _feed_forward(block.mlp, level))
         # A child without parameters: the state_dict is unchanged.
         block.attn.ladder_attention = attention_component.IMPLEMENTATIONS[level](causal=True,
                                                                                  scale=_attention_scale(block.attn))
         patch.attention_layers.append(block.attn)
-    patch.replace(body, "ln_f", _layer_norm(body.ln_f, level))
+    patch.replace(body, "ln_f", level_layer_norm(body.ln_f, level))
     if body is not model:
         patch.replace(model, "lm_head", _lm_head(model.lm_head, level))
         model.forward = types.MethodType(_forward_with_fused_loss(type(model).forward), model)
@@ -203,7 +203,8 @@ def _adapted_class(component: str, level: str, adapter: type) -> type:
     return type(f"{base.__name__}{adapter.__name__}", (adapter, base), {"__doc__": adapter.__doc__})
 
 
-def _layer_norm(original: nn.LayerNorm, level: str) -> nn.Module:
+def level_layer_norm(original: nn.LayerNorm, level: str) -> nn.Module:
+    """``level``'s LayerNorm in place of ``original``, holding ``original``'s own weight and bias."""
     from . import build
 
     layer_norm = build("layer_norm", level, normalized_shape=original.normalized_shape, eps=original.eps)

@@ -33,7 +33,7 @@ import torch
 import levels.huggingface
 from levels.spec import LEVEL_TITLES, LEVELS
 
-from .language_model import _timed_rows
+from .language_model import timed_rows
 
 NO_DROPOUT = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
@@ -105,7 +105,7 @@ def training_rows(shape: Sequence[int] = (8, 1024), dtype: torch.dtype = torch.b
         model(input_ids=inputs, labels=inputs).loss.backward()
         optimizer.step()
 
-    table = _timed_rows(built, step, batch * tokens, device, repeats, "transformers training step", TITLES)
+    table = timed_rows(built, step, batch * tokens, device, repeats, "transformers training step", TITLES)
     return _with_ratio(table, "transformers training step", shape, dtype, device, config)
 
 
@@ -126,7 +126,7 @@ def generation_rows(batch: int, prompt_tokens: int = 16, new_tokens: int = 112, 
         outputs[id(model)] = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                             do_sample=False)
 
-    table = _timed_rows(built, generate, batch * new_tokens, device, repeats, f"transformers generation, batch {batch}",
+    table = timed_rows(built, generate, batch * new_tokens, device, repeats, f"transformers generation, batch {batch}",
                         TITLES)
     baseline = outputs.get(id(built.get(BASELINE)))
     table["same_tokens_as_sdpa"] = [bool(baseline is not None and id(model) in outputs

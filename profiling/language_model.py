@@ -121,7 +121,7 @@ def models_at_levels(config: dict, chosen_levels: Iterable[str | int] | None, dt
     return models
 
 
-def _timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str,
+def timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str,
                 titles: Mapping[str, str] = LEVEL_TITLES) -> pd.DataFrame:
     """One row per model (keyed by its ``level`` column, titled by ``titles``): the first call, then the
     median of ``repeats`` timed calls of ``work(model)``, and its peak memory."""
@@ -162,7 +162,7 @@ def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype =
     def step(model):
         training_step(model, optimizers[id(model)], inputs, targets)
 
-    table = _timed_rows(models, step, batch * tokens, device, repeats, "training step")
+    table = timed_rows(models, step, batch * tokens, device, repeats, "training step")
     table.attrs.update(what="training step", shape=tuple(shape), dtype=str(dtype).removeprefix("torch."),
                        device=str(device), config=config)
     return table
@@ -189,7 +189,7 @@ def generation_throughput(config: dict, batch: int, prompt_tokens: int, new_toke
     def generate(model):
         outputs[id(model)] = model.generate(prompt, new_tokens, cuda_graph=cuda_graph)
 
-    table = _timed_rows(models, generate, batch * new_tokens, device, repeats, f"generation, batch {batch}")
+    table = timed_rows(models, generate, batch * new_tokens, device, repeats, f"generation, batch {batch}")
     native = outputs.get(id(next(iter(models.values()))))
     table["same_tokens_as_level_1"] = [
         bool(native is not None and id(model) in outputs and torch.equal(outputs[id(model)], native))

@@ -66,7 +66,7 @@ STRATEGY_CASES = {
     "tiled": ("tiled", {}, (5, 300), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
     "row": ("row", {}, (3, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
     "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024}, (3, 5000),
-               {"_layer_norm_fwd_looped_kernel", "_layer_norm_bwd_looped_kernel"}),
+               {"layer_norm_fwd_looped_kernel", "_layer_norm_bwd_looped_kernel"}),
     # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one
     # slice of every row (the interpreter's 4 program slots hold no two groups of 5 slices)
     "split": ("split", {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}, (3, 5000),
@@ -80,7 +80,7 @@ STRATEGY_CASES = {
 
 SOFTMAX_KERNELS = {  # the layer-norm kernel names above, for softmax
     "_layer_norm_fwd_kernel": "_softmax_fwd_kernel", "_layer_norm_bwd_kernel": "_softmax_bwd_kernel",
-    "_layer_norm_fwd_looped_kernel": "_softmax_fwd_online_kernel",
+    "layer_norm_fwd_looped_kernel": "softmax_fwd_online_kernel",
     "_layer_norm_bwd_looped_kernel": "_softmax_bwd_looped_kernel",
 }
 SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel",

@@ -15,7 +15,7 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
 ``layer_norm_backward.py``; a few long rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
-    ``_layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
+    ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula), pass 2 normalises; the row is read twice
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db
     ``_layer_norm_bwd_looped_kernel``   the same for long rows, two passes over each row
@@ -130,7 +130,7 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
 
 
 @triton.jit
-def _layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
+def layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
                                   BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr,
                                   SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
     row = tl.program_id(0)
@@ -214,7 +214,7 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     bias_in = bias if subtract_mean else weight
     with on_device(x):
         if tile.looped:
-            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias_in, mean_out, rstd_out, n,
+            launch(layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias_in, mean_out, rstd_out, n,
                    *split_float(eps), BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
                    STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
                    num_warps=tile.num_warps)

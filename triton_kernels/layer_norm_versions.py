@@ -7,7 +7,7 @@ walk the row in blocks of ``LOOPED_ROW_BLOCK``)
                then normalise, scale, shift and write. x is read 3 times, y written once.
     version 2  version 1 + the mean and the variance in one pass: each block's count, mean and sum of
                squared deviations, merged into the running ones by Chan's formula. x read twice.
-               (This is layer_norm.py's ``_layer_norm_fwd_looped_kernel``, launched for any N.)
+               (This is layer_norm.py's ``layer_norm_fwd_looped_kernel``, launched for any N.)
     version 3  version 2 + the whole row held in registers: one load, two reductions over registers,
                one store; short rows are stacked several to a program. x read once. This is level 4's
                own forward (``launch_layer_norm_fwd``), for rows up to MAX_ROW_BLOCK; it loops like
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .launch import (LOOPED_ROW_BLOCK, check_inputs, check_version, compute_dtype, launch, next_power_of_2,
                      on_device, refuse_backward, split_float)
-from .layer_norm import _layer_norm_fwd_looped_kernel, check_norm_shapes, launch_layer_norm_fwd, normalize_row_blocks
+from .layer_norm import layer_norm_fwd_looped_kernel, check_norm_shapes, launch_layer_norm_fwd, normalize_row_blocks
 
 LAYER_NORM_VERSIONS = {
     1: "three passes over the row: mean, variance, normalise (x read 3 times)",
@@ -91,7 +91,7 @@ def launch_layer_norm_fwd_version(x: torch.Tensor, weight: torch.Tensor, bias: t
             launch(_layer_norm_fwd_three_pass_kernel, (rows,), x, out, weight, bias, n, *split_float(eps),
                    BLOCK_N=block_n, COMPUTE=compute, num_warps=8)
         else:  # no statistics stored, so out stands in for their pointers
-            launch(_layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, out, out, n, *split_float(eps),
+            launch(layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias, out, out, n, *split_float(eps),
                    BLOCK_N=block_n, COMPUTE=compute, STORE_STATISTICS=False, SUBTRACT_MEAN=True, HAS_BIAS=True,
                    num_warps=8)
     return out

@@ -8,7 +8,7 @@ What it computes
 Kernels, in the order they run
     ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
                                      exp, sum, write once
-    ``_softmax_fwd_online_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 keeps a running maximum and
+    ``softmax_fwd_online_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 keeps a running maximum and
                                      a running sum, rescaled whenever the maximum grows (the *online*
                                      softmax); pass 2 normalises. The row is read twice
     ``_softmax_bwd_kernel``          dx per row from y and dy in registers
@@ -57,7 +57,7 @@ from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
-def _check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> None:
+def check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> None:
     """x is (..., N), softmax taken over its last dim; ``like_x`` tensors match it in shape and dtype.
     All contiguous."""
     row_matrix(op, x)
@@ -112,7 +112,7 @@ def row_max_and_sum_of_exp(X, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+def softmax_fwd_online_kernel(X, Y, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     X += row.to(tl.int64) * N
     Y += row.to(tl.int64) * N
@@ -136,9 +136,9 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
 
 
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
-    _check_softmax_shapes("softmax_forward", x)
+    check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(_softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x)
+    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x)
 
 
 def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ def _softmax_bwd_looped_kernel(DY, Y, DX, N, BLOCK_N: tl.constexpr, COMPUTE: tl.
 
 
 def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
+    check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
     check_inputs("softmax_backward", grad_out, y)
     return launch_softmax_bwd_unchecked(grad_out, y)
 
@@ -222,7 +222,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
 
 @softmax_forward.register_fake
 def _softmax_forward_fake(x):
-    _check_softmax_shapes("softmax_forward", x)
+    check_softmax_shapes("softmax_forward", x)
     return torch.empty_like(x)
 
 
@@ -248,7 +248,7 @@ def softmax_backward(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @softmax_backward.register_fake
 def _softmax_backward_fake(grad_out, y):
-    _check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
+    check_softmax_shapes("softmax_backward", y, like_x={"grad_out": grad_out})
     return torch.empty_like(y)
 
 

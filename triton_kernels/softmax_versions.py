@@ -8,7 +8,7 @@ walk the row in blocks of ``LOOPED_ROW_BLOCK``)
     version 2  version 1 + the maximum and the sum in one pass, the *online* softmax (Milakov and
                Gimelshein, 2018): a running maximum, and a running sum multiplied by exp(old − new)
                whenever the maximum grows. x read twice. (This is softmax.py's
-               ``_softmax_fwd_online_kernel``, launched for any N.)
+               ``softmax_fwd_online_kernel``, launched for any N.)
     version 3  version 2 + the whole row held in registers: one load, max, exp, sum, one store;
                short rows are stacked several to a program. x read once. This is level 4's own
                forward (``launch_softmax_fwd``), for rows up to MAX_ROW_BLOCK; it loops like version 2
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .launch import (LOOPED_ROW_BLOCK, check_inputs, check_version, compute_dtype, launch, next_power_of_2,
                      on_device, refuse_backward, row_matrix)
-from .softmax import _check_softmax_shapes, _softmax_fwd_online_kernel, launch_softmax_fwd, write_softmax_blocks
+from .softmax import check_softmax_shapes, softmax_fwd_online_kernel, launch_softmax_fwd, write_softmax_blocks
 
 SOFTMAX_VERSIONS = {
     1: "three passes over the row: max, sum of exponentials, write (x read 3 times)",
@@ -72,14 +72,14 @@ def launch_softmax_fwd_version(x: torch.Tensor, version: int) -> torch.Tensor:
     check_version(_OP, version, SOFTMAX_VERSIONS)
     if version == 3:
         return launch_softmax_fwd(x)
-    _check_softmax_shapes(_OP, x)
+    check_softmax_shapes(_OP, x)
     check_inputs(_OP, x)
     rows, n = row_matrix(_OP, x)
     out = torch.empty_like(x)
     if out.numel() == 0:
         return out
     # 4096 elements a block, 8 warps (16 values a thread), as level 4 walks rows too long for registers.
-    kernel = _softmax_fwd_three_pass_kernel if version == 1 else _softmax_fwd_online_kernel
+    kernel = _softmax_fwd_three_pass_kernel if version == 1 else softmax_fwd_online_kernel
     with on_device(x):
         launch(kernel, (rows,), x, out, n, BLOCK_N=min(LOOPED_ROW_BLOCK, next_power_of_2(n)),
                COMPUTE=compute_dtype(x.dtype), num_warps=8)
@@ -97,7 +97,7 @@ def softmax_forward_version(x: torch.Tensor, version: int) -> torch.Tensor:
 @softmax_forward_version.register_fake
 def _softmax_forward_version_fake(x, version):
     check_version(_OP, version, SOFTMAX_VERSIONS)
-    _check_softmax_shapes(_OP, x)
+    check_softmax_shapes(_OP, x)
     return torch.empty_like(x)
 
 
