@@ -321,6 +321,30 @@ class AttentionTriton(_AttentionKernel):
     backend = staticmethod(triton_backend)
 
 
+class AttentionTritonVersion(AttentionTriton):
+    """An earlier rung of level 4's causal attention forward, kept runnable so a lesson can time the
+    climb (``triton_kernels.ATTENTION_VERSIONS`` says what each version adds): forward only, causal,
+    as many k, v heads as q heads below version 4, which is level 4's own kernel."""
+
+    def __init__(self, version: int = 4, scale: Optional[float] = None):
+        super().__init__(causal=True, scale=scale)
+        self.version = int(version)
+
+    def compute(self, q, k, v):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise NotImplementedError(f"attention version {self.version} is forward only (level 4's backward: "
+                                      "levels.build('attention', 'triton'))")
+        return self.backend().attention_forward_version(q.contiguous(), k.contiguous(), v.contiguous(), self.version,
+                                                        self.scale_for(q.shape[-1]))
+
+
+def attention_triton_versions(scale: Optional[float] = None) -> dict[str, AttentionTritonVersion]:
+    """``{"version 1: ...": module, ...}``: every rung of level 4's causal attention forward, for
+    ``compare_optimization_levels``."""
+    versions = triton_backend().ATTENTION_VERSIONS
+    return {f"version {version}: {what}": AttentionTritonVersion(version, scale) for version, what in versions.items()}
+
+
 class AttentionCUDA(_AttentionKernel):
     """Level 5: CUDA flash attention on tensor cores (mma.sync), and a tiled C++ CPU version with
     the same online-softmax algorithm."""

@@ -7,6 +7,8 @@
     softmax(x)                                 -> y     (triton_kernels/softmax.py)
     attention(q, k, v, causal, window, scale)  -> o     (triton_kernels/attention.py: flash attention,
                                                          kernels in attention_forward.py, attention_backward.py)
+    attention_forward_version(q, k, v,         -> o     (triton_kernels/attention_versions.py: the climb to
+                              version, scale)            the forward kernel, ATTENTION_VERSIONS; no op, forward only)
     decode_attention(q, k_cache, v_cache,      -> o     (triton_kernels/attention_decode.py: one query per
                      key_lengths, window, scale)         sequence over a static KV cache; inference only)
     linear(x2d, weight, bias)                  -> y     (triton_kernels/feed_forward.py: matmul with a fused
@@ -87,6 +89,7 @@ if not torch.cuda.is_available():
 from .adamw import adamw_step  # noqa: E402  (after the switch above, on purpose)
 from .attention import attention  # noqa: E402
 from .attention_decode import decode_attention  # noqa: E402
+from .attention_versions import ATTENTION_VERSIONS, attention_forward_version  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
 from .layer_norm_versions import layer_norm_forward_version  # noqa: E402
@@ -96,5 +99,6 @@ from .softmax import softmax  # noqa: E402
 from .softmax_versions import softmax_forward_version  # noqa: E402
 from .swish import swish  # noqa: E402
 
-__all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "layer_norm_forward_version",
-           "linear", "linear_cross_entropy", "rms_norm", "softmax", "softmax_forward_version", "swish"]
+__all__ = ["ATTENTION_VERSIONS", "adamw_step", "attention", "attention_forward_version", "decode_attention",
+           "feed_forward", "layer_norm", "layer_norm_forward_version", "linear", "linear_cross_entropy", "rms_norm",
+           "softmax", "softmax_forward_version", "swish"]
