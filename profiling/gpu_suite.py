@@ -400,24 +400,30 @@ def check_sweep_targets(sweeps: dict[str, pd.DataFrame], path: Path, extra: str 
     return report
 
 
-def _version_ladders() -> list[tuple[str, Callable[[], dict], tuple[int, ...]]]:
-    """(component, its versions as {"version N: what": module}, shape): the climbs the lessons show,
-    level 5's Swish (lesson 01) and level 4's LayerNorm and softmax (lessons 02 and 03)."""
+FLOAT_TYPES = (torch.float32, torch.bfloat16)
+
+
+def _version_ladders() -> list[tuple[str, Callable[[], dict], tuple[int, ...], tuple[torch.dtype, ...]]]:
+    """(component, its versions as {"version N: what": module}, shape, dtypes): the climbs the lessons
+    show, level 5's Swish (lesson 01) and level 4's LayerNorm, softmax and attention (lessons 02–04).
+    Attention runs at GPT-2's shape (8, 12, 1024, 64), where version 1's scores take 400 MB a pass."""
+    from levels.attention import attention_triton_versions
     from levels.layer_norm import layer_norm_triton_versions
     from levels.softmax import softmax_triton_versions
     from levels.swish import swish_cuda_versions
 
-    return [("swish", swish_cuda_versions, (8192, 8192)),
-            ("layer_norm", lambda: layer_norm_triton_versions(8192), (8192, 8192)),
-            ("softmax", softmax_triton_versions, (8192, 8192))]
+    return [("swish", swish_cuda_versions, (8192, 8192), FLOAT_TYPES),
+            ("layer_norm", lambda: layer_norm_triton_versions(8192), (8192, 8192), FLOAT_TYPES),
+            ("softmax", softmax_triton_versions, (8192, 8192), FLOAT_TYPES),
+            ("attention", attention_triton_versions, (8, 12, 1024, 64), (torch.bfloat16,))]
 
 
 def run_version_benchmarks(device: torch.device, out: Path, budget_s: float, only: str = "") -> dict[str, pd.DataFrame]:
-    """Each kernel's climb (``_version_ladders``), its versions side by side in float32 and bfloat16,
-    against the first version's float64 run; forward only, as the earlier versions are."""
+    """Each kernel's climb (``_version_ladders``), its versions side by side, against the first
+    version's float64 run; forward only, as the earlier versions are."""
     tables = {}
-    for component, versions, shape in _version_ladders():
-        for dtype in (torch.float32, torch.bfloat16):
+    for component, versions, shape, dtypes in _version_ladders():
+        for dtype in dtypes:
             name = f"{component} versions {str(dtype).removeprefix('torch.')}"
             if not _chosen(name, only):
                 continue
