@@ -238,11 +238,10 @@ def format_scaling_table(table: pd.DataFrame) -> str:
 
 
 SEVERAL_GPU_RUN = Path(__file__).parent / "results" / "h200x2" / "distributed.csv"
-"""Where the lesson looks for a launch on several GPUs (``main``'s ``--csv``)."""
+"""Where the lesson looks for a launch on several GPUs (the GPU suite's distributed part writes it)."""
 
-SEVERAL_GPU_COMMAND = ("torchrun --nproc_per_node=2 -m profiling.distributed --level cuda --strategy ddp "
-                       "--config gpt2-small --device cuda --batch 8 --seq 1024 --steps 20 "
-                       "--csv profiling/results/h200x2/distributed.csv")
+SEVERAL_GPU_COMMAND = "python -m profiling.gpu_suite --part distributed --out profiling/results/h200x2"
+"""DDP and FSDP2 of GPT-2 small at level 5 in bf16 on every GPU, each after one GPU alone (gpu_suite)."""
 
 
 def show_several_gpu_run(path: Path = SEVERAL_GPU_RUN) -> None:

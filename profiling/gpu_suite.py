@@ -14,6 +14,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part sweep     --out profiling/results/h100   # row lengths, forward
     python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
     python -m profiling.gpu_suite --part versions  --out profiling/results/h100   # the climb to a kernel
+    python -m profiling.gpu_suite --part distributed --out profiling/results/h200x2  # DDP and FSDP, every GPU
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
@@ -29,12 +30,15 @@ Without --part every part runs in turn. Each part writes, under --out:
                              4,194,304 elements at 2^26 elements each point (profiling.sweep);
     softmax-long-rows.csv    sweep: softmax on 4096 × 262,144 float32
     versions.csv             versions: each version of a kernel the lessons show growing, side by side
+    distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on all of them
+                             (profiling.distributed under torchrun; the machine needs 2 or more GPUs)
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
 same on any GPU; they live here, never in timed unit tests. Every ratio is of eager times (what a
 user gets); the CUDA-graph replay ratio stands beside it to show how much of a gap is launch overhead.
-A dry run of the overhead part works on the CPU too, in float32; there Triton's interpreter spends
+Dry runs of the distributed part (two gloo processes, the tiny GPT) and of the overhead part work on
+the CPU too; for the overhead part, in float32; there Triton's interpreter spends
 many minutes on the feed-forward's level-4 row alone, so leave that case out:
 
     python -m profiling.gpu_suite --part overhead --device cpu --budget 0.05 --out /tmp/suite \
@@ -486,6 +490,71 @@ def environment(device: torch.device) -> dict:
     }
 
 
+SCALING_TARGETS = {2: {"ddp": 1.95, "fsdp": 1.85}, 4: {"ddp": 3.8, "fsdp": 3.5}}
+"""GPT-2 small at level 5, bf16, 8 × 1024 tokens a GPU: tokens/s on N GPUs ≥ this × one GPU's, per
+strategy (DDP overlaps its all-reduces with the backward; FSDP2 has three times the traffic to hide)."""
+FSDP_PER_GPU_VERSUS_DDP = 0.8
+"""... and FSDP's tokens/s per GPU ≥ this × DDP's on as many GPUs: sharding may cost memory traffic
+and latency, not most of the speed."""
+
+
+def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
+    """DDP and FSDP2 on every visible GPU (``profiling.distributed`` under torchrun: GPT-2 small at level
+    5 in bf16, 8 × 1024 tokens a GPU, each launch timing one GPU alone first), their steps in
+    ``distributed.csv`` and the scaling targets; on the CPU, a dry run of two gloo processes on the
+    tiny GPT."""
+    from .distributed import STRATEGIES
+
+    if device.type == "cuda":
+        processes = torch.cuda.device_count()
+        settings = ["--config", "gpt2-small", "--dtype", "bfloat16", "--batch", "8", "--seq", "1024", "--steps", "20"]
+    else:
+        processes, settings = 2, ["--config", "tiny", "--steps", "4"]
+    if processes < 2:
+        return f"distributed: {processes} GPU visible; this part needs 2 or more (a several-GPU machine)"
+    runs = []
+    for strategy in (strategy for strategy in STRATEGIES if _chosen(strategy, only)):
+        csv = out / f"distributed-{strategy}.csv"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                        "-m", "profiling.distributed", "--level", "cuda", "--strategy", strategy, "--device",
+                        device.type, *settings, "--csv", str(csv)], check=True, timeout=480)
+        runs.append(pd.read_csv(csv))
+        csv.unlink()
+    steps = pd.concat(runs)
+    steps.to_csv(out / "distributed.csv", index=False)
+    return check_scaling_targets(steps, out / "targets-distributed.md")
+
+
+def check_scaling_targets(steps: pd.DataFrame, path: Path) -> str:
+    """The scaling targets judged on one launch per strategy (``run_distributed``'s steps), as a
+    markdown table written to ``path`` and returned."""
+    from .distributed import format_scaling_table, scaling_table
+
+    tables = {strategy: scaling_table(run, int(run["batch"].iloc[0] * run["seq"].iloc[0]))
+              for strategy, run in steps.groupby("strategy")}
+    processes = int(steps["processes"].max())
+    thresholds = SCALING_TARGETS.get(processes, {})
+    lines = [f"# Scaling targets on {processes} × {steps['device'].iloc[0]}, {steps['config'].iloc[0]}, "
+             f"{steps['dtype'].iloc[0]}", "", "| target | measured | met |", "| --- | --- | --- |"]
+
+    def at(strategy: str, column: str) -> float:
+        rows = tables[strategy]
+        return float(rows.loc[rows["processes"] == processes, column].iloc[0]) if strategy in tables else math.nan
+
+    for strategy, threshold in thresholds.items():
+        speedup = at(strategy, "speedup")
+        lines.append(f"| {strategy} on {processes}: ≥ {threshold:g}× one's tokens/s | {speedup:.2f}× | {speedup >= threshold} |")
+    ratio = at("fsdp", "tokens_per_s_per_process") / at("ddp", "tokens_per_s_per_process")
+    lines.append(f"| fsdp tokens/s per process ≥ {FSDP_PER_GPU_VERSUS_DDP:g}× ddp's | {ratio:.2f}× | "
+                 f"{ratio >= FSDP_PER_GPU_VERSUS_DDP} |")
+    if not thresholds:
+        lines.append(f"| (no speedup targets are set for {processes} processes) | | |")
+    lines += [""] + [f"{strategy}:\n\n```\n{format_scaling_table(table)}\n```" for strategy, table in tables.items()]
+    report = "\n".join(lines) + "\n"
+    path.write_text(report)
+    return report
+
+
 TEST_SELECTIONS = {"tests": "gpu", "tests-cpu": "not gpu"}
 """pytest marker expression per test part: GPU-marked tests (what only this machine checks), the rest."""
 
@@ -570,7 +639,10 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep", "sweep-backward", "versions")
+PARTS = ("tests", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep",
+         "sweep-backward", "versions", "distributed")
+CPU_PARTS = ("overhead", "distributed")
+"""The parts with a dry run on the CPU; the others are sized for a GPU."""
 
 
 def main(argv=None) -> int:
@@ -591,9 +663,9 @@ def main(argv=None) -> int:
         print("The GPU suite needs a CUDA device; on the CPU run `pytest` and `python -m profiling`, or this "
               "suite's overhead part with --device cpu.", file=sys.stderr)
         return 2
-    if device.type == "cpu" and set(parts) - {"overhead"}:
-        print("On the CPU only the overhead part runs (the others are sized for a GPU): --part overhead --device cpu",
-              file=sys.stderr)
+    if device.type == "cpu" and set(parts) - set(CPU_PARTS):
+        print(f"On the CPU only {' and '.join(CPU_PARTS)} run (the others are sized for a GPU): --part overhead "
+              "--device cpu", file=sys.stderr)
         return 2
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -617,6 +689,9 @@ def main(argv=None) -> int:
             continue
         if part == "versions":
             run_version_benchmarks(device, out, arguments.budget, arguments.only)
+            continue
+        if part == "distributed":
+            print(run_distributed(device, out, arguments.only), flush=True)
             continue
         if part == "kernels":
             tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only)

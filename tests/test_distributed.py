@@ -81,3 +81,36 @@ def test_the_lesson_shows_a_several_gpu_run_or_the_command_that_makes_it(tmp_pat
     show_several_gpu_run(path)
     shown = capsys.readouterr().out
     assert "ddp on cuda, level cuda, gpt2-small, bfloat16, 8 × 1024 tokens" in shown and "80%" in shown
+
+
+def _launch_steps(strategy: str, seconds_alone: float, seconds_together: float) -> pd.DataFrame:
+    """A launch's steps as ``profiling.distributed`` writes them: 3 steps alone, then 3 on 2 processes,
+    100 tokens a process and step; the first two steps of each are left out of its rate."""
+    return pd.DataFrame({"processes": [1] * 3 + [2] * 3, "step": [0, 1, 2] * 2, "loss": 5.0,
+                         "seconds": [9.0, 9.0, seconds_alone, 9.0, 9.0, seconds_together]}).assign(
+        strategy=strategy, level="cuda", config="gpt2-small", device="cuda", dtype="bfloat16", batch=10, seq=10)
+
+
+def test_the_scaling_targets_are_judged_from_each_strategys_launch(tmp_path):
+    from profiling.gpu_suite import check_scaling_targets
+
+    # ddp: 50 tokens/s alone, 2 × 49 together: 1.96× (target 1.95, met). fsdp: 50 alone, 2 × 45: 1.80×
+    # (target 1.85, missed); fsdp per process 45 against ddp's 49: 0.92× (target 0.8, met).
+    steps = pd.concat([_launch_steps("ddp", 2.0, 100 / 49), _launch_steps("fsdp", 2.0, 100 / 45)])
+    report = check_scaling_targets(steps, tmp_path / "targets.md")
+    assert "| ddp on 2: ≥ 1.95× one's tokens/s | 1.96× | True |" in report
+    assert "| fsdp on 2: ≥ 1.85× one's tokens/s | 1.80× | False |" in report
+    assert "| fsdp tokens/s per process ≥ 0.8× ddp's | 0.92× | True |" in report
+    assert (tmp_path / "targets.md").read_text() == report
+
+
+def test_the_gpu_suites_distributed_part_has_a_dry_run_on_the_cpu(tmp_path):
+    """Both strategies launched through torchrun as on a several-GPU machine: every step of one process
+    alone and of two, in one CSV, and the targets judged on them (on the CPU the numbers mean nothing)."""
+    result = subprocess.run([sys.executable, "-m", "profiling.gpu_suite", "--part", "distributed", "--device", "cpu",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = pd.read_csv(tmp_path / "distributed.csv")
+    assert sorted(steps.groupby(["strategy", "processes"]).size().items()) == [
+        (("ddp", 1), 4), (("ddp", 2), 4), (("fsdp", 1), 4), (("fsdp", 2), 4)]
+    assert (tmp_path / "targets-distributed.md").read_text().count("| ddp") == 1
