@@ -5,6 +5,29 @@ function there is: a handful of FLOPs per element against 2 × element size byte
 level is judged by how close it gets to the device's copy bandwidth. Level 1 launches three kernels
 (β·x, sigmoid, multiply) and moves the tensor through memory three times; every level above fuses
 them into one pass.
+
+On a CPU, at lesson 01's 1 MiB, the byte count loses its grip; lesson 01 keeps the conclusion, the
+reasoning is here. Three things set a small CPU call's time besides bytes:
+
+* The arithmetic is not free. Timing level 1's three ops one at a time shows the sigmoid taking
+  most of the time: an ``exp`` over 262 144 floats costs a CPU core real arithmetic, each multiply,
+  on data that sits in cache, much less. A fused kernel still computes every ``exp``, so fusion can
+  save only the two multiplies; the sum of the three ops' times over the sigmoid's bounds its gain
+  (under 2×, against the GPU's 3.5×), and ``F.silu`` and level 5 land near that bound.
+* Every call has a fixed cost before it touches an element: Python, the module's argument checks,
+  dispatch, at level 3 the compiled function's guards and wrapper, with autograd the backward's
+  bookkeeping. Timed on a 4-element tensor it is tens of microseconds (level 3's the largest), a
+  large share of a call on 1 MiB, so level 3 gains little or nothing over level 1 there.
+* Recompute-or-store flips. The fused backwards recompute σ(β·x) from ``x``, which on a GPU saves
+  writing ``s`` to HBM and reading it back; on a CPU the second ``exp`` costs about as much as the
+  forward's sigmoid, while level 1 reads its saved ``s`` from cache. Against that, level 1's backward
+  is five ops, each with its own autograd node, dispatch and fresh output; which of the two weighs
+  more, and so whether the fused rows gain more or less with the backward, depends on the CPU.
+
+Past the last-level cache (4096 × 4096, 64 MiB a tensor) a CPU comes closer to the byte count, for
+a second reason as well: each level-1 op writes a fresh tensor whose pages the operating system
+zeroes on first touch, three times per forward against a fused kernel's once. ``python -m profiling
+--component swish --shape 4096 4096 --levels native compile cuda`` measures it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The notebooks import these instead of each defining its own copy:
 
     aten_ops, tensor_passes        what level 1 dispatches, and how many full-size tensor passes it makes
+    inductor_kernels               the kernels level 3 generated, by name
+    cuda_kernel_sources            the __global__ kernels of one of level 5's .cu files, as text
     matches_float64                one level's output and gradients against float64 level 1
     measured, show_measured        rows of the committed H100 run (``profiling/results/h100/``)
     check_exercise                 a learner's exercise against the float64 truth, as one line
@@ -24,6 +26,8 @@ and ``levels/exercises.py``, pass the same checks in ``tests/test_exercises.py``
 from __future__ import annotations
 
 import copy
+import importlib.util
+import re
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -68,6 +72,36 @@ def tensor_passes(ops, shape) -> tuple[int, int]:
     reads = sum(input_shapes.count(tuple(shape)) for _, input_shapes in ops)
     writes = sum(1 for name, input_shapes in ops if tuple(shape) in input_shapes and name not in REDUCTIONS)
     return reads, writes
+
+
+# --- showing what levels 3 and 5 run ------------------------------------------------------------------------
+
+KERNEL_DEFINITION = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)
+"""How an Inductor-generated module defines each kernel: ``name = async_compile.cpp_pybinding(`` or ``.triton(``."""
+
+
+def inductor_kernels(module_source: str) -> dict[str, str]:
+    """``{name: definition}`` of every kernel in one module that ``run_and_get_code`` returns (a
+    definition runs to the next one, or to the ``async_compile.wait`` that follows the last)."""
+    starts = [match.start() for match in KERNEL_DEFINITION.finditer(module_source)]
+    ends = [*starts[1:], module_source.find("async_compile.wait", starts[-1])] if starts else []
+    return {KERNEL_DEFINITION.match(module_source, start)[1]: module_source[start:end].rstrip()
+            for start, end in zip(starts, ends)}
+
+
+def cuda_kernel_sources(file_name: str) -> list[str]:
+    """Each ``__global__`` function of ``cuda_kernels/<file_name>``, with the comment and template lines
+    above it, up to its closing brace in column 0. Read as text: importing cuda_kernels builds the extension."""
+    folder = importlib.util.find_spec("cuda_kernels").submodule_search_locations[0]
+    lines = (Path(folder) / file_name).read_text().splitlines()
+    kernels = []
+    for index, line in enumerate(lines):
+        if "__global__" in line:
+            start = index
+            while start > 0 and lines[start - 1].startswith(("//", "template")):
+                start -= 1
+            kernels.append("\n".join(lines[start:lines.index("}", index) + 1]))
+    return kernels
 
 
 # --- the float64 check --------------------------------------------------------------------------------------
