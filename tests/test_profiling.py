@@ -4,6 +4,7 @@ to CSV and PNG on request."""
 
 import math
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -289,3 +290,27 @@ def test_liger_joins_the_reference_rows_where_it_is_installed(component, config,
     assert list(references)[1:] == [title]
     if component != "softmax":  # Liger normalises the last dim only
         assert title not in levels.build(component, "native", normalized_shape=(2, 4)).reference_modules("cuda")
+
+
+def test_inductor_kernels_names_each_generated_kernel_and_cuts_its_definition():
+    from profiling.lessons import inductor_kernels
+
+    module_source = ("import torch\n"
+                     "cpp_fused_mul_0 = async_compile.cpp_pybinding(['float*'], '''\n    body 0\n''')\n"
+                     "triton_poi_fused_1 = async_compile.triton('triton_', '''\n    body 1\n''')\n"
+                     "async_compile.wait(globals())\n")
+    kernels = inductor_kernels(module_source)
+    assert list(kernels) == ["cpp_fused_mul_0", "triton_poi_fused_1"]
+    assert kernels["cpp_fused_mul_0"].endswith("body 0\n''')") and "body 1" not in kernels["cpp_fused_mul_0"]
+    assert kernels["triton_poi_fused_1"].endswith("body 1\n''')") and "wait" not in kernels["triton_poi_fused_1"]
+    assert inductor_kernels("import torch\n") == {}
+
+
+def test_cuda_kernel_sources_returns_every_global_function_whole():
+    from profiling.lessons import cuda_kernel_sources
+
+    text = (Path(__file__).parent.parent / "cuda_kernels" / "swish.cu").read_text()
+    kernels = cuda_kernel_sources("swish.cu")
+    assert len(kernels) == text.count("__global__") > 0
+    for kernel in kernels:
+        assert "__global__" in kernel and kernel.endswith("}") and kernel in text
