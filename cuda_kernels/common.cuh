@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -280,6 +281,46 @@ struct Add {
 
 template <typename A>
 __device__ __forceinline__ A block_sum(A value) { return block_reduce(value, Add{}); }
+
+// --- a row held by a thread-block cluster (Hopper, sm_90+: softmax.cu, layer_norm_long_rows.cuh) -----
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One cluster per row (a 1-D grid of rows x cluster size blocks): block `rank` of a cluster owns slice
+// `rank` of slice_packs packs of kVec values, n_packs of them inside the row, starting `offset` values
+// into x.
+struct ClusterSlice {
+  int rank;
+  int64_t row;
+  int64_t first_pack;
+  int n_packs;
+  int64_t offset;
+};
+
+template <int kVec>
+__device__ __forceinline__ ClusterSlice cluster_slice(int64_t n, int64_t slice_packs) {
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = int64_t{blockIdx.x} / cluster.num_blocks(), first_pack = rank * slice_packs;
+  return {rank, row, first_pack, static_cast<int>(min(slice_packs, n / kVec - first_pack)), row * n + first_pack * kVec};
+}
+
+// Every block's `mine` combined across the cluster; every thread gets the result. The first barrier
+// makes each block's `statistic` (a __shared__ slot of its kernel) readable by the others through
+// distributed shared memory (SM to SM, not through L2 or HBM); each warp reads the cluster's values,
+// one a lane, and merges them. The second barrier keeps every block, and so its shared memory, alive
+// until all have read. T{} must be the identity of `combine` (lanes past the cluster's size hold it).
+template <typename T, typename Combine>
+__device__ __forceinline__ T cluster_reduce(T* statistic, T mine, Combine combine) {
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (threadIdx.x == 0) *statistic = mine;
+  cluster.sync();
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  T theirs{};
+  if (lane < static_cast<int>(cluster.num_blocks())) theirs = *cluster.map_shared_rank(statistic, lane);
+  const T total = warp_reduce(theirs, combine);
+  cluster.sync();
+  return total;
+}
+#endif
 
 // --- the online softmax's statistics (softmax.cu, linear_cross_entropy.cu) ----------------------------
 // A row's statistics: the largest value seen and the sum of exp(value - max). Pairs merge exactly,

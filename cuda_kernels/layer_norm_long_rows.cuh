@@ -21,7 +21,6 @@
 // with the mean pinned at 0, where the merge is exactly a sum of squares.
 #pragma once
 
-#include <cooperative_groups.h>
 
 #include "common.cuh"
 
@@ -87,19 +86,18 @@ __device__ __forceinline__ Moments<Acc<T>> moments_of_pack(const Pack<T, kVec>& 
   return {A(kVec), mean, m2};
 }
 
-// The Moments of a slice staged in shared memory: its mean, then the squares of its centred values
-// (two exact passes over shared memory, none over HBM; RMSNorm skips the first). Each thread reads the
-// packs it staged.
-template <typename T, bool kSubtractMean>
-__device__ __forceinline__ Moments<Acc<T>> staged_moments(const T* staged, int n_packs) {
+// The Moments of n_packs packs of kVec values at `values` (a slice staged in shared memory, or a whole
+// row in global memory), the block's threads striding over the packs: the mean, then the squares of
+// the centred values (two exact passes; RMSNorm skips the first, and its m2 is the sum of squares).
+template <typename T, int kVec, bool kSubtractMean>
+__device__ __forceinline__ Moments<Acc<T>> block_moments(const T* values, int64_t n_packs) {
   using A = Acc<T>;
-  constexpr int kVec = kVecOf<T>;
   const A count = A(n_packs) * A(kVec);
   A mean = 0;
   if constexpr (kSubtractMean) {
     A sum = 0;
-    for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-      const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+    for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+      const Pack<T, kVec> in = load_pack<T, kVec>(values + pack * kVec);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) sum += to_acc(in.val[j]);
     }
@@ -107,8 +105,8 @@ __device__ __forceinline__ Moments<Acc<T>> staged_moments(const T* staged, int n
     mean = n_packs > 0 ? sum / count : A(0);
   }
   A m2 = 0;
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(values + pack * kVec);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) m2 += (to_acc(in.val[j]) - mean) * (to_acc(in.val[j]) - mean);
   }
@@ -128,26 +126,17 @@ layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ Moments<A> slice_statistics;
   T* slice = reinterpret_cast<T*>(shared_bytes);
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank()), blocks = static_cast<int>(cluster.num_blocks());
-  const int64_t row = int64_t{blockIdx.x} / blocks, first_pack = rank * slice_packs;
-  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - first_pack));
-  const int64_t offset = row * n + first_pack * kVec;
+  const ClusterSlice mine = cluster_slice<kVec>(n, slice_packs);
+  const int64_t row = mine.row, first_pack = mine.first_pack, offset = mine.offset;
+  const int n_packs = mine.n_packs;
   stage_slice<T>(x + offset, slice, n_packs);
-  const Moments<A> mine = staged_moments<T, kSubtractMean>(slice, n_packs);
-  if (threadIdx.x == 0) slice_statistics = mine;
-  cluster.sync();
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  Moments<A> theirs;
-  if (lane < blocks) theirs = *cluster.map_shared_rank(&slice_statistics, lane);
-  const Moments<A> total = warp_reduce(theirs, Add{});
-  cluster.sync();
+  const Moments<A> total =
+      cluster_reduce(&slice_statistics, block_moments<T, kVec, kSubtractMean>(slice, n_packs), Add{});
   const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
-  if (rank == 0 && threadIdx.x == 0) {
+  if (mine.rank == 0 && threadIdx.x == 0) {
     if constexpr (kSubtractMean) mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
@@ -224,23 +213,9 @@ layer_norm_forward_looped_kernel(const T* __restrict__ x, const T* __restrict__ 
   using A = Acc<T>;
   const T* x_row = x + static_cast<int64_t>(blockIdx.x) * n;
   const int64_t n_packs = n / kVec;
-  A mean = 0;  // RMSNorm's: no pass for it
-  if constexpr (kSubtractMean) {
-    A sum = 0;
-    for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-      const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) sum += to_acc(in.val[j]);
-    }
-    mean = block_sum(sum) / A(n);
-  }
-  A squares = 0;
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) squares += (to_acc(in.val[j]) - mean) * (to_acc(in.val[j]) - mean);
-  }
-  const A rstd = rsqrt(block_sum(squares) / A(n) + eps);
+  const Moments<A> moments = block_moments<T, kVec, kSubtractMean>(x_row, n_packs);
+  const A mean = moments.mean;  // RMSNorm's: 0, no pass for it
+  const A rstd = rsqrt(moments.m2 / A(n) + eps);
   if (threadIdx.x == 0) {
     if constexpr (kSubtractMean) mean_out[blockIdx.x] = mean;
     rstd_out[blockIdx.x] = rstd;

@@ -48,7 +48,6 @@
 //   python -m pytest tests -k "softmax and cuda"
 #include <algorithm>
 
-#include <cooperative_groups.h>
 
 #include "common.cuh"
 
@@ -162,35 +161,22 @@ softmax_forward_shared_kernel(const T* __restrict__ x, T* __restrict__ y, int64_
                                [&](int64_t pack) { return load_pack<T, kVec>(row + pack * kVec); });
 }
 
-// One cluster per row (a 1-D grid of rows x cluster size blocks), block r of a cluster owning slice r of
-// slice_packs packs. After each block has its slice's (max, sum), the cluster barrier makes every
-// block's shared memory readable by the others (distributed shared memory: SM-to-SM, not through L2
-// or HBM); each warp reads the cluster's pairs, one a lane, and merges them. The second barrier keeps
-// every block (and so its shared memory) alive until all have read.
+// One cluster per row (common.cuh's cluster_slice): each block stages its slice in shared memory and
+// folds it into one (max, sum); the cluster merges the pairs through distributed shared memory
+// (cluster_reduce), and each block writes its slice from the staged copy, so x is read once.
 template <typename T>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads)
 softmax_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n, int64_t slice_packs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ MaxSum<A> slice_statistics;
   T* slice = reinterpret_cast<T*>(shared_bytes);
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank()), blocks = static_cast<int>(cluster.num_blocks());
-  const int64_t first_pack = rank * slice_packs;
-  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - first_pack));
-  const int64_t offset = int64_t{blockIdx.x} / blocks * n + first_pack * kVec;
-  const MaxSum<A> mine = stage_and_reduce<T>(x + offset, slice, n_packs);
-  if (threadIdx.x == 0) slice_statistics = mine;
-  cluster.sync();
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  MaxSum<A> theirs;
-  if (lane < blocks) theirs = *cluster.map_shared_rank(&slice_statistics, lane);
-  const MaxSum<A> total = warp_reduce(theirs, Merge{});
-  cluster.sync();
-  write_probabilities<T, kVec>(y + offset, n_packs, total,
+  const ClusterSlice mine = cluster_slice<kVec>(n, slice_packs);
+  const MaxSum<A> total =
+      cluster_reduce(&slice_statistics, stage_and_reduce<T>(x + mine.offset, slice, mine.n_packs), Merge{});
+  write_probabilities<T, kVec>(y + mine.offset, mine.n_packs, total,
                                [&](int64_t pack) { return load_pack<T, kVec>(slice + pack * kVec); });
 #else
   __trap();  // the launcher runs this kernel only where it was compiled for sm_90 or later
