@@ -279,6 +279,14 @@ def split_row_slice(row, piece, N, BLOCK_N: tl.constexpr):
     return cols, cols < N, row.to(tl.int64) * N + cols
 
 
+@triton.jit
+def split_row_partials(row, n_slices, BLOCK_SLICES: tl.constexpr):
+    """Where phase 1 left ``row``'s partial statistics in a (rows, n_slices) buffer, padded to
+    BLOCK_SLICES, and which of those slots are real: phase 2 reads them all at once and reduces."""
+    slices = tl.arange(0, BLOCK_SLICES)
+    return tl.cast(row, tl.int64) * n_slices + slices, slices < n_slices
+
+
 def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 

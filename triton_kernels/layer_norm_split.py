@@ -46,6 +46,7 @@ from .launch import (
     on_device,
     persistent_program_count,
     split_float,
+    split_row_partials,
     split_row_slice,
 )
 
@@ -82,13 +83,11 @@ def _norm_fwd_split_normalize_kernel(X, Y, W, B, PartialMean, PartialM2, Mean, R
     row = tl.program_id(0)
     piece = tl.program_id(1)
     # Every program of a row combines the row's few partials itself: cheaper than a third launch.
-    slices = tl.arange(0, BLOCK_SLICES)
-    slice_mask = slices < n_slices
-    slots = row.to(tl.int64) * n_slices + slices
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
     m2 = tl.sum(tl.load(PartialM2 + slots, mask=slice_mask, other=0.0), axis=0)
     mean = tl.zeros((), COMPUTE)  # RMSNorm's
     if SUBTRACT_MEAN:
-        counts = tl.where(slice_mask, tl.minimum(N - slices * BLOCK_N, BLOCK_N), 0).to(COMPUTE)
+        counts = tl.where(slice_mask, tl.minimum(N - tl.arange(0, BLOCK_SLICES) * BLOCK_N, BLOCK_N), 0).to(COMPUTE)
         means = tl.load(PartialMean + slots, mask=slice_mask, other=0.0)
         mean = tl.sum(counts * means, axis=0) / N
         deviation = means - mean
@@ -166,14 +165,12 @@ def _norm_bwd_split_dx_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, DX, 
     group = tl.program_id(1)
     cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
-    slices = tl.arange(0, BLOCK_SLICES)
-    slice_mask = slices < n_slices
     w = tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
     # This program's share of dw and db (its slice's columns, summed over its rows) stays in registers.
     dw = tl.zeros((BLOCK_N,), COMPUTE)
     db = tl.zeros((BLOCK_N,), COMPUTE)
     for row in range(group, n_rows, tl.num_programs(1)):
-        slots = tl.cast(row, tl.int64) * n_slices + slices
+        slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
         mean_x_hat_g = tl.sum(tl.load(PartialXHatG + slots, mask=slice_mask, other=0.0), axis=0) / N
         mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
         if SUBTRACT_MEAN:

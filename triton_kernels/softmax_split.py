@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
-from .launch import cdiv, compute_dtype, launch, next_power_of_2, on_device, split_row_slice
+from .launch import cdiv, compute_dtype, launch, next_power_of_2, on_device, split_row_partials, split_row_slice
 
 SPLIT_WARPS = 4  # as layer_norm_split.py: 32 values a thread for a 4096-element slice
 
@@ -54,9 +54,7 @@ def _softmax_fwd_split_normalize_kernel(X, Y, PartialMax, PartialSum, N, n_slice
                                         BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    slices = tl.arange(0, BLOCK_SLICES)
-    slice_mask = slices < n_slices
-    slots = row.to(tl.int64) * n_slices + slices
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
     # Padding slots (and slices of only −inf) have maximum −inf and sum 0: they add nothing.
     maxima = tl.load(PartialMax + slots, mask=slice_mask, other=float("-inf"))
     row_max = tl.max(maxima, axis=0)
@@ -97,9 +95,8 @@ def _softmax_bwd_split_dx_kernel(DY, Y, PartialDot, DX, N, n_slices, BLOCK_N: tl
                                  BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    slices = tl.arange(0, BLOCK_SLICES)
-    row_dot = tl.sum(tl.load(PartialDot + row.to(tl.int64) * n_slices + slices, mask=slices < n_slices, other=0.0),
-                     axis=0)
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
+    row_dot = tl.sum(tl.load(PartialDot + slots, mask=slice_mask, other=0.0), axis=0)
     _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     y = tl.load(Y + offsets, mask=mask, other=0.0).to(COMPUTE)
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
