@@ -5,6 +5,7 @@ The notebooks import these instead of each defining its own copy:
     aten_ops, tensor_passes        what level 1 dispatches, and how many full-size tensor passes it makes
     inductor_kernels               the kernels level 3 generated, by name
     cuda_kernel_sources            the __global__ kernels of one of level 5's .cu files, as text
+    source_lines                   a stretch of a function's or kernel's source, for a lesson to show
     matches_float64                one level's output and gradients against float64 level 1
     measured, show_measured        rows of the committed H100 run (``profiling/results/h100/``)
     check_exercise                 a learner's exercise against the float64 truth, as one line
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -87,6 +89,15 @@ def inductor_kernels(module_source: str) -> dict[str, str]:
     ends = [*starts[1:], module_source.find("async_compile.wait", starts[-1])] if starts else []
     return {KERNEL_DEFINITION.match(module_source, start)[1]: module_source[start:end].rstrip()
             for start, end in zip(starts, ends)}
+
+
+def source_lines(function, first: str, stop: str | None = None) -> str:
+    """The lines of ``function``'s source (a @triton.jit kernel's Python too) from the one holding
+    ``first`` up to, not including, the next one holding ``stop``; to the end without ``stop``."""
+    lines = inspect.getsource(getattr(function, "fn", function)).splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    end = len(lines) if stop is None else next(i for i in range(start + 1, len(lines)) if stop in lines[i])
+    return "\n".join(lines[start:end])
 
 
 def cuda_kernel_sources(file_name: str) -> list[str]:

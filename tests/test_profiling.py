@@ -314,3 +314,14 @@ def test_cuda_kernel_sources_returns_every_global_function_whole():
     assert len(kernels) == text.count("__global__") > 0
     for kernel in kernels:
         assert "__global__" in kernel and kernel.endswith("}") and kernel in text
+
+
+def test_source_lines_cuts_a_function_from_one_marker_to_the_next_or_to_its_end():
+    from profiling.lessons import source_lines
+    from triton_kernels.attention_forward import merge_key_blocks
+
+    assert source_lines(source_lines, "lines = inspect", "start = next").strip().startswith("lines = inspect")
+    assert "start = next" not in source_lines(source_lines, "lines = inspect", "start = next")
+    assert source_lines(source_lines, "end = len").strip().endswith('return "\\n".join(lines[start:end])')
+    kernel_lines = source_lines(merge_key_blocks, "if EXP2", "row_sum = row_sum * rescale")  # a @triton.jit's Python
+    assert kernel_lines.strip().startswith("if EXP2") and "tl.exp(row_max - shift)" in kernel_lines

@@ -129,15 +129,18 @@ def forward_tile(block_d: int, dtype: torch.dtype, windowed: bool = False) -> At
 
 
 @triton.jit
-def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, window,
-                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MASKED: tl.constexpr,
-                         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block."""
+def merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, window,
+                     qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, EXP2: tl.constexpr):
+    """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block: the
+    online softmax, a tile of scores living and dying in registers. With EXP2 (level 4's way) the
+    scores come in base-2 units, qk_scale holding log2(e); without it they are natural, for plain exp
+    (attention_versions.py's version 2)."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
         k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units with EXP2
         if MASKED:
             scores = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window,
                                        CAUSAL, WINDOWED), scores, float("-inf"))
@@ -145,8 +148,12 @@ def _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, start, end, qu
         # A query whose keys so far were all masked still has maximum −inf: shift by 0 there, so that
         # 2^(−inf − shift) is 0 instead of NaN.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp2(scores - shift[:, None])
-        rescale = tl.exp2(row_max - shift)
+        if EXP2:
+            p = tl.exp2(scores - shift[:, None])
+            rescale = tl.exp2(row_max - shift)
+        else:
+            p = tl.exp(scores - shift[:, None])
+            rescale = tl.exp(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
         v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
@@ -177,15 +184,15 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, wi
 
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WINDOWED)
-    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 True, CAUSAL, WINDOWED, DOT_PRECISION)
-    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_lo, full_hi,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 False, CAUSAL, WINDOWED, DOT_PRECISION)
-    acc, row_sum, row_max = _attention_fwd_inner(acc, row_sum, row_max, q, K, V, queries, full_hi, hi,
-                                                 query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 True, CAUSAL, WINDOWED, DOT_PRECISION)
+    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
+                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                             True, CAUSAL, WINDOWED, DOT_PRECISION, True)
+    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, full_lo, full_hi,
+                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                             False, CAUSAL, WINDOWED, DOT_PRECISION, True)
+    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, full_hi, hi,
+                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                             True, CAUSAL, WINDOWED, DOT_PRECISION, True)
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
     query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_forward import launch_attention_fwd
+from .attention_forward import launch_attention_fwd, merge_key_blocks
 from .attention_tiles import (
     LOG2E,
     AttentionTile,
@@ -144,34 +144,6 @@ def _launch_version_1(q, k, v, out, scale, tile, block_d):
 
 
 @triton.jit
-def _merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                      EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The online softmax over the key blocks start … end: a tile of scores lives and dies in registers."""
-    for block_start in range(start, end, BLOCK_N):
-        keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        if MASKED:
-            scores = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, 0, True, False),
-                              scores, float("-inf"))
-        # Every query sees key 0 and block 0 comes first, so the maximum is finite from the first
-        # block on: no −inf − (−inf) to guard against.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        if EXP2:
-            p = tl.exp2(scores - new_max[:, None])
-            rescale = tl.exp2(row_max - new_max)
-        else:
-            p = tl.exp(scores - new_max[:, None])
-            rescale = tl.exp(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
-        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
-        row_max = new_max
-    return acc, row_sum, row_max
-
-
-@triton.jit
 def _attention_fwd_fused_kernel(Q, K, V, Out, query_length, key_length, scale_high, scale_low,
                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, VERSION: tl.constexpr, COMPUTE: tl.constexpr,
@@ -187,19 +159,19 @@ def _attention_fwd_fused_kernel(Q, K, V, Out, query_length, key_length, scale_hi
     acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
-    if VERSION == 2:  # every key block, each one masked
-        acc, row_sum, row_max = _merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, key_length,
-                                                  query_length, key_length, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                  True, False, DOT_PRECISION)
+    if VERSION == 2:  # every key block, each one masked, plain exp
+        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, key_length,
+                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                                 True, True, False, DOT_PRECISION, False)
     else:  # version 3: the blocks below the diagonal unmasked, then those straddling it; none past it
         _, _, diagonal, end = key_block_range(first_query, query_length, key_length, 0, BLOCK_M, BLOCK_N, True, False)
         scale = scale * LOG2E  # e^x = 2^(x·log2 e)
-        acc, row_sum, row_max = _merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, diagonal,
-                                                  query_length, key_length, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                  False, True, DOT_PRECISION)
-        acc, row_sum, row_max = _merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, diagonal, end,
-                                                  query_length, key_length, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                  True, True, DOT_PRECISION)
+        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, diagonal,
+                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                                 False, True, False, DOT_PRECISION, True)
+        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, diagonal, end,
+                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                                 True, True, False, DOT_PRECISION, True)
     store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, acc / row_sum[:, None], HEAD_DIM,
                BLOCK_D)
 
