@@ -512,8 +512,11 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
         processes, settings = 2, ["--config", "tiny", "--steps", "4"]
     if processes < 2:
         return f"distributed: {processes} GPU visible; this part needs 2 or more (a several-GPU machine)"
+    strategies = [strategy for strategy in STRATEGIES if _chosen(strategy, only)]
+    if not strategies:
+        return f"distributed: no strategy matches --only {only!r} (strategies: {', '.join(STRATEGIES)})"
     runs = []
-    for strategy in (strategy for strategy in STRATEGIES if _chosen(strategy, only)):
+    for strategy in strategies:
         csv = out / f"distributed-{strategy}.csv"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                         "-m", "profiling.distributed", "--level", "cuda", "--strategy", strategy, "--device",

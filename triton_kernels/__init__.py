@@ -89,15 +89,26 @@ if not torch.cuda.is_available():
 from .adamw import adamw_step  # noqa: E402  (after the switch above, on purpose)
 from .attention import attention  # noqa: E402
 from .attention_decode import decode_attention  # noqa: E402
-from .attention_versions import ATTENTION_VERSIONS, attention_forward_version  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
 from .layer_norm import layer_norm  # noqa: E402
-from .layer_norm_versions import layer_norm_forward_version  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
 from .softmax import softmax  # noqa: E402
-from .softmax_versions import softmax_forward_version  # noqa: E402
 from .swish import swish  # noqa: E402
+
+# The earlier versions of kernels that the lessons time (their ops are registered when first used):
+# loaded on first access, so importing the package costs nothing for them.
+_LESSON_VERSIONS = {"ATTENTION_VERSIONS": "attention_versions", "attention_forward_version": "attention_versions",
+                    "layer_norm_forward_version": "layer_norm_versions", "softmax_forward_version": "softmax_versions"}
+
+
+def __getattr__(name: str):
+    if name in _LESSON_VERSIONS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LESSON_VERSIONS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ATTENTION_VERSIONS", "adamw_step", "attention", "attention_forward_version", "decode_attention",
            "feed_forward", "layer_norm", "layer_norm_forward_version", "linear", "linear_cross_entropy", "rms_norm",
