@@ -565,7 +565,7 @@ TEST_SELECTIONS = {"tests": "gpu", "tests-cpu": "not gpu"}
 def run_tests(part: str, out: Path) -> int:
     """pytest over tests/ (the notebooks are CPU lessons, checked by CI), log under ``out``."""
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rfs",
-               "-m", TEST_SELECTIONS[part]]
+               "--durations=30", "-m", TEST_SELECTIONS[part]]
     if importlib.util.find_spec("xdist") is not None:
         # Most GPU tests are small and host-bound (compiles, launches, checks): eight processes share
         # the GPU well. The extension is built first, once, so the workers only load it.
