@@ -3,7 +3,8 @@
 Each part fits well inside ten minutes on an H100, the extension's first build (about a minute)
 included, so each can run as one call on a lent machine; run them one after another into one folder:
 
-    python -m profiling.gpu_suite --part tests     --out profiling/results/h100   # GPU-marked tests
+    python -m profiling.gpu_suite --part tests     --out profiling/results/h100   # GPU-marked tests, levels 1, 2, 4, 5
+    python -m profiling.gpu_suite --part tests-compile --out profiling/results/h100  # GPU-marked tests, level 3
     python -m profiling.gpu_suite --part tests-cpu --out profiling/results/h100   # the other tests
     python -m profiling.gpu_suite --part kernels   --out profiling/results/h100   # component benchmarks
     python -m profiling.gpu_suite --part attention --out profiling/results/h100   # attention against cuDNN
@@ -18,7 +19,7 @@ included, so each can run as one call on a lent machine; run them one after anot
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
-    pytest-<part>.log        tests, tests-cpu: the test run
+    pytest-<part>.log        tests, tests-compile, tests-cpu: the test run
     benchmarks.csv/.png      kernels: one row per component × dtype × pass × level, as compare_optimization_levels
     attention.csv/.png       attention: causal attention at long sequences, GPT-2's shape and five head dims
     huggingface.csv          huggingface: transformers' GPT-2 small, unpatched and patched at each level
@@ -558,14 +559,18 @@ def check_scaling_targets(steps: pd.DataFrame, path: Path) -> str:
     return report
 
 
-TEST_SELECTIONS = {"tests": "gpu", "tests-cpu": "not gpu"}
-"""pytest marker expression per test part: GPU-marked tests (what only this machine checks), the rest."""
+TEST_SELECTIONS = {"tests": ("gpu", "not compile"), "tests-compile": ("gpu", "compile"), "tests-cpu": ("not gpu", "")}
+"""(pytest marker expression, keyword expression) per test part: the GPU-marked tests (what only this machine
+checks) in two parts, because level 3's cases compile Inductor kernels from a cold cache for most of their time
+(an attention case in float16 about a minute) and all of them in one part outlast a ten-minute call; then the rest."""
 
 
 def run_tests(part: str, out: Path) -> int:
     """pytest over tests/ (the notebooks are CPU lessons, checked by CI), log under ``out``."""
     command = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rfs",
-               "--durations=30", "-m", TEST_SELECTIONS[part]]
+               "--durations=30"]
+    marker, keyword = TEST_SELECTIONS[part]
+    command += ["-m", marker] + (["-k", keyword] if keyword else [])
     if importlib.util.find_spec("xdist") is not None:
         # Most GPU tests are small and host-bound (compiles, launches, checks): eight processes share
         # the GPU well. The extension is built first, once, so the workers only load it.
@@ -642,7 +647,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep",
+PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep",
          "sweep-backward", "versions", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
