@@ -38,9 +38,7 @@ std::pair<T, T> row_max_and_sum(const T* __restrict row, int64_t n) {
   T running_max = -std::numeric_limits<T>::infinity(), running_sum = 0;
   for (int64_t start = 0; start < n; start += kChunk) {
     const int64_t end = std::min(start + kChunk, n);
-    T chunk_max = running_max;
-#pragma omp simd reduction(max : chunk_max)
-    for (int64_t i = start; i < end; ++i) chunk_max = std::max(chunk_max, row[i]);
+    const T chunk_max = simd_maximum(row, start, end, running_max);
     if (chunk_max == -std::numeric_limits<T>::infinity()) continue;  // all -inf so far: nothing to add
     T chunk_sum = 0;
 #pragma omp simd reduction(+ : chunk_sum)

@@ -27,15 +27,6 @@ namespace {
 // 2 KiB of float32: small enough to stay in L1 between its max loop and its exp loop.
 constexpr int64_t kChunk = 512;
 
-// max(start_max, x[start..end)), a branch-free SIMD reduction.
-template <typename T>
-T chunk_maximum(const T* __restrict x_row, int64_t start, int64_t end, T start_max) {
-  T maximum = start_max;
-#pragma omp simd reduction(max : maximum)
-  for (int64_t i = start; i < end; ++i) maximum = std::max(maximum, x_row[i]);
-  return maximum;
-}
-
 template <typename T>
 void softmax_forward(const T* __restrict x, T* __restrict y, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows * n >= kMinParallelElements)
@@ -47,7 +38,7 @@ void softmax_forward(const T* __restrict x, T* __restrict y, int64_t rows, int64
     T running_max = -std::numeric_limits<T>::infinity(), running_sum = 0;
     for (int64_t start = 0; start < n; start += kChunk) {
       const int64_t end = std::min(start + kChunk, n);
-      const T chunk_max = chunk_maximum(x_row, start, end, running_max);
+      const T chunk_max = simd_maximum(x_row, start, end, running_max);
       if (chunk_max == -std::numeric_limits<T>::infinity()) {  // all -inf so far: exps of 0, nothing to add
 #pragma omp simd
         for (int64_t i = start; i < end; ++i) y_row[i] = T(0);
@@ -69,7 +60,7 @@ void softmax_forward(const T* __restrict x, T* __restrict y, int64_t rows, int64
     T prefix_max = -std::numeric_limits<T>::infinity();
     for (int64_t start = 0; start < n; start += kChunk) {
       const int64_t end = std::min(start + kChunk, n);
-      prefix_max = chunk_maximum(x_row, start, end, prefix_max);
+      prefix_max = simd_maximum(x_row, start, end, prefix_max);
       const T scale = exp_branch_free(prefix_max - running_max) * inverse_sum;
 #pragma omp simd
       for (int64_t i = start; i < end; ++i) y_row[i] *= scale;
