@@ -347,6 +347,10 @@ SWEEPS = {
 }
 """(component, dtype, backward) of each row-length sweep, per suite part."""
 
+SWEEP_BUDGET_S = 0.1
+"""Seconds of timing per row in a sweep: its nine points of seven rows each at the default second a row
+outlast a ten-minute call (the forward+backward sweep stopped after three of its four tables on an H100)."""
+
 SWEEP_TARGETS_FROM = 512
 """Row lengths below this are measured and plotted but not judged by the targets."""
 
@@ -659,7 +663,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for the results (created if missing)")
     parser.add_argument("--part", choices=PARTS, action="append",
                         help="run this part (repeatable; default: every part in turn)")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per row (default 1)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of timing per row (default 1; the sweeps 0.1, their 9 points × 7 rows a table)")
     parser.add_argument("--only", default="", help="run only the benchmarks (overhead: the decode cases) whose name "
                         "contains one of these comma-separated texts")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -680,42 +685,44 @@ def main(argv=None) -> int:
     info = environment(device)
     (out / "environment.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info), flush=True)
+    budget_s = 1.0 if arguments.budget is None else arguments.budget
     status = 0
     for part in parts:
         if part in TEST_SELECTIONS:
             status = run_tests(part, out) or status
             continue
         if part in SWEEPS:
-            sweeps = run_sweeps(device, out, part, arguments.budget, arguments.only)
+            sweep_budget_s = SWEEP_BUDGET_S if arguments.budget is None else arguments.budget
+            sweeps = run_sweeps(device, out, part, sweep_budget_s, arguments.only)
             long_rows = ""
             if part == "sweep" and _chosen(LONG_SOFTMAX.name, arguments.only):
-                tables = run_kernel_benchmarks(device, out, arguments.budget, benchmarks=[LONG_SOFTMAX],
+                tables = run_kernel_benchmarks(device, out, budget_s, benchmarks=[LONG_SOFTMAX],
                                                name="softmax-long-rows")
                 long_rows = check_targets(tables, [Target(LONG_SOFTMAX.name, level, 90.0) for level in KERNEL_LEVELS],
                                           out / "targets-softmax-long-rows.md")
             print(check_sweep_targets(sweeps, out / f"targets-{part}.md", long_rows), flush=True)
             continue
         if part == "versions":
-            run_version_benchmarks(device, out, arguments.budget, arguments.only)
+            run_version_benchmarks(device, out, budget_s, arguments.only)
             continue
         if part == "distributed":
             print(run_distributed(device, out, arguments.only), flush=True)
             continue
         if part == "kernels":
-            tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only)
+            tables = run_kernel_benchmarks(device, out, budget_s, arguments.only)
         elif part == "huggingface":
             tables = run_huggingface_benchmarks(device, out, arguments.only)
         elif part == "attention":
-            tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only, ATTENTION_BENCHMARKS,
+            tables = run_kernel_benchmarks(device, out, budget_s, arguments.only, ATTENTION_BENCHMARKS,
                                            name="attention")
         elif part == "models":
-            tables = run_kernel_benchmarks(device, out, arguments.budget, arguments.only, _training_benchmarks(),
+            tables = run_kernel_benchmarks(device, out, budget_s, arguments.only, _training_benchmarks(),
                                            name="training")
             tables |= run_language_model_benchmarks(device, out, part, arguments.only)
         elif part == "generation":
             tables = run_language_model_benchmarks(device, out, part, arguments.only)
         else:
-            tables = run_overhead(device, out, arguments.budget, arguments.only)
+            tables = run_overhead(device, out, budget_s, arguments.only)
         print(check_targets(tables, TARGETS[part], out / f"targets-{part}.md"), flush=True)
     return status
 
