@@ -253,7 +253,7 @@ def row_tile(n: int) -> RowTile:
     an H100: at N = 8192 the forward moved 2.84 TB/s with 8 warps and 2.43 TB/s with 16."""
     block_n = next_power_of_2(n)
     if block_n > MAX_ROW_BLOCK:
-        # 8 warps, 16 values a thread: with 4 warps the looped backward spills registers.
+        # 8 warps, 16 values a thread: with 4 warps a looped backward spilled registers.
         return RowTile(LOOPED_ROW_BLOCK, 1, 8, True)
     rows_per_tile = max(1, MIN_TILE // block_n)
     tile = block_n * rows_per_tile
@@ -293,7 +293,8 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
     ``"tiled"``     short rows (``row_tile``'s block below ``MIN_TILE``): several rows a program, so each
                     program moves enough bytes to pay for its reductions;
     ``"row"``       one row a program, in registers (rows up to ``MAX_ROW_BLOCK``);
-    ``"looped"``    one row a program, looped over in blocks (rows longer than ``MAX_ROW_BLOCK``);
+    ``"looped"``    one row a program, looped over in blocks (rows longer than ``MAX_ROW_BLOCK``; the
+                    norms' backward splits these rows too, layer_norm_backward.py says why);
     ``"split"``     rows of at least ``SPLIT_MIN_ROW`` elements, fewer than ``SPLIT_MAX_ROWS_PER_SM`` per SM:
                     each row is cut into slices of ``SPLIT_BLOCK``, one program each; phase 1 reduces the
                     slices to partial statistics, phase 2 combines them and normalises

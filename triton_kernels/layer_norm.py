@@ -12,13 +12,13 @@ What it computes
                Every kernel below serves both; ``rms_norm.py`` registers RMSNorm's ops on them.
 
 Kernels, in the order they run (this file: the forward and the ops; the backward's kernels in
-``layer_norm_backward.py``; a few long rows split across programs in ``layer_norm_split.py``)
+``layer_norm_backward.py``; rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula), pass 2 normalises; the row is read twice
-    ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db
-    ``_layer_norm_bwd_looped_kernel``   the same for long rows, two passes over each row
+    ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
+                                        longer than MAX_ROW_BLOCK take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
 
 The one idea that makes it fast
@@ -42,10 +42,11 @@ Measured (H100, 8192 × 8192, kernels alone)
     over its three tensors, plus 10 µs for the dw, db column reduction.
 
 Limits
-    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, never rejected; when such rows
-    are too few to fill the SMs they are split across programs instead. The backward's partial buffers have at most
-    min(rows, a few × SMs) rows of N float32 values. float16, bfloat16, float32, float64 on the GPU
-    (statistics and sums in float32, float64 for float64); float32 and float64 under the interpreter.
+    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over forward, never rejected, and split
+    across programs when they are too few to fill the SMs; backward they are always split. The backward's
+    partial buffers have at most min(rows, a few × SMs) rows of N float32 values. float16, bfloat16,
+    float32, float64 on the GPU (statistics and sums in float32, float64 for float64); float32 and
+    float64 under the interpreter.
 
 Check
     python -m pytest tests -k "layer_norm and triton"

@@ -7,11 +7,15 @@ What it computes (``layer_norm.py`` has the forward and the ops)
 
 The one idea
     The cross-row sums are the hard part. A persistent backward launches about one program per SM;
-    each walks a strided set of rows, keeps its running dw, db in registers (rows held in registers)
-    or in its own row of the partial buffer (looped rows), and leaves one row of a small (programs, N)
-    float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns in a fixed order:
-    deterministic, no atomics. A few long rows are split across programs instead
-    (``layer_norm_split.py``), whose partial rows the same column reduction sums.
+    each walks a strided set of rows, keeps its running dw, db in registers, and leaves one row of a
+    small (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's
+    columns in a fixed order: deterministic, no atomics.
+    A row too long for registers cannot keep its dw, db there. Added row by row into a program's row of
+    the partial buffer in memory, they would cost 16 bytes of float32 read-modify-write an element (dw
+    and db), against the 6 that bfloat16 x, dy and dx need: at 131,072 elements a row that capped the
+    H100 near 23 % of copy bandwidth, and it measured 22 %. So every such row is split across programs
+    instead (``layer_norm_split.py``): programs own a column slice and a group of rows, keep that
+    slice's dw, db in registers, and leave partial rows that the same column reduction sums.
 
 Check
     python -m pytest tests -k "(layer_norm or rms_norm) and triton"
@@ -85,51 +89,6 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
 
 
 @triton.jit
-def _layer_norm_bwd_looped_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
-                                  BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-                                  HAS_BIAS: tl.constexpr):
-    program = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    partial = program.to(tl.int64) * N
-    for row in range(program, n_rows, tl.num_programs(0)):
-        offset = tl.cast(row, tl.int64) * N  # (the interpreter hands loop indices over as Python ints)
-        rstd = tl.load(Rstd + row)
-        mean = tl.zeros((), COMPUTE)  # RMSNorm's: x̂ = (x − 0)·rstd
-        if SUBTRACT_MEAN:
-            mean = tl.load(Mean + row)
-        # pass 1: the row sums that dx needs (evict_last: pass 2 reads x and dy again)
-        sum_x_hat_g = tl.zeros((BLOCK_N,), COMPUTE)
-        sum_g = tl.zeros((BLOCK_N,), COMPUTE)
-        for start in range(0, N, BLOCK_N):
-            mask = start + cols < N
-            x = tl.load(X + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
-            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
-            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            g = dy * w
-            sum_x_hat_g += tl.where(mask, (x - mean) * rstd, 0.0) * g
-            sum_g += g
-        mean_x_hat_g = tl.sum(sum_x_hat_g, axis=0) / N
-        mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
-        if SUBTRACT_MEAN:
-            mean_g = tl.sum(sum_g, axis=0) / N
-        # pass 2: dx, and this row's dw, db added to the program's partial row, which stays in memory
-        # (L2 when it fits): a long row does not fit in registers.
-        for start in range(0, N, BLOCK_N):
-            mask = start + cols < N
-            x = tl.load(X + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            dy = tl.load(DY + offset + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            w = tl.load(W + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            x_hat = (x - mean) * rstd
-            dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
-            tl.store(DX + offset + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw = tl.load(PartialDW + partial + start + cols, mask=mask)
-            tl.store(PartialDW + partial + start + cols, dw + dy * x_hat, mask=mask)
-            if HAS_BIAS:
-                db = tl.load(PartialDB + partial + start + cols, mask=mask)
-                tl.store(PartialDB + partial + start + cols, db + dy, mask=mask)
-
-
-@triton.jit
 def _layer_norm_bwd_dwdb_kernel(PartialDW, PartialDB, DW, DB, n_partials, N,
                                 BLOCK_PARTIALS: tl.constexpr, BLOCK_COLS: tl.constexpr, HAS_BIAS: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -157,7 +116,7 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     grad_x = torch.empty_like(x)
     if rows == 0:
         return grad_x, torch.zeros_like(weight), (torch.zeros_like(weight) if subtract_mean else None)
-    if row_strategy(rows, n, x) == "split":  # a few long rows: each split across programs
+    if row_strategy(rows, n, x) in ("looped", "split"):  # rows too long for registers: each split across programs
         partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n)
     else:
         partial_dw, partial_db = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n)
@@ -176,17 +135,14 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
 
 
 def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n):
-    """dx by the one-program-per-row (or per tile of rows) kernels; returns the (programs, n) partial dw,
-    db buffers (db None for RMSNorm, whose ``mean`` is None)."""
+    """dx by the persistent kernel, rows (or tiles of rows) held in registers; returns the (programs, n)
+    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None)."""
     subtract_mean = mean is not None
     tile = row_tile(n)
     programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
     programs = persistent_program_count(x, cdiv(rows, tile.rows_per_tile), programs_per_sm)
-    # Programs of the row-in-registers kernel write their partial rows once; the looped kernel adds
-    # every row into its partial row, so there the buffers start at zero.
-    allocate = torch.zeros if tile.looped else torch.empty
-    partial_dw = allocate(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
-    partial_db = allocate(programs, n, dtype=partial_dw.dtype, device=x.device) if subtract_mean else None
+    partial_dw = torch.empty(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
+    partial_db = torch.empty_like(partial_dw) if subtract_mean else None
     flags = dict(COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
                  num_warps=tile.num_warps, enable_fp_fusion=False)
     # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
@@ -195,10 +151,6 @@ def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n):
     # the separate multiply costs nothing.
     mean_in, partial_db_in = (mean, partial_db) if subtract_mean else (rstd, partial_dw)  # never read by RMSNorm
     with on_device(x):
-        if tile.looped:
-            launch(_layer_norm_bwd_looped_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
-                   partial_db_in, rows, n, BLOCK_N=tile.block_n, **flags)
-        else:
-            launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
-                   partial_db_in, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, **flags)
+        launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
+               partial_db_in, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, **flags)
     return partial_dw, partial_db

@@ -1,11 +1,13 @@
-"""LayerNorm and RMSNorm in Triton for a few long rows: each row split across programs, in two phases.
+"""LayerNorm and RMSNorm in Triton with each row split across programs, in two phases.
 
 Why
     ``layer_norm.py`` gives each row one program. With a few long rows (a (4, 262144) activation, a
     batch of one sequence of long features) that is a few programs on a GPU of 132 SMs: most SMs sit
     idle, and each busy one loops over its row alone. Here a row is cut into slices of
     ``launch.SPLIT_BLOCK`` elements, one program each, so rows × slices programs share the work.
-    ``launch.row_strategy`` decides when (its thresholds are first guesses, not yet measured on a GPU).
+    ``launch.row_strategy`` decides when, for the forward. The backward splits every row too long for
+    registers, however many rows there are: its column-slice programs are what keep dw and db in
+    registers (``layer_norm_backward.py`` says why that matters).
 
 What it computes (the formulas of ``layer_norm.py``; RMSNorm with ``SUBTRACT_MEAN=HAS_BIAS=False``)
     forward  phase 1  each slice's mean and sum of squared deviations (m2) (RMSNorm: its Σx²), into
