@@ -563,7 +563,8 @@ def check_scaling_targets(steps: pd.DataFrame, path: Path) -> str:
     return report
 
 
-TEST_SELECTIONS = {"tests": ("gpu", "not compile"), "tests-compile": ("gpu", "compile"), "tests-cpu": ("not gpu", "")}
+TEST_SELECTIONS = {"tests": ("gpu", "not compile"), "tests-compile": ("gpu", "compile"),
+                   "tests-cpu": ("not gpu", "")}
 """(pytest marker expression, keyword expression) per test part: the GPU-marked tests (what only this machine
 checks) in two parts, because level 3's cases compile Inductor kernels from a cold cache for most of their time
 (an attention case in float16 about a minute) and all of them in one part outlast a ten-minute call; then the rest."""
@@ -651,8 +652,8 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation", "overhead", "sweep",
-         "sweep-backward", "versions", "distributed")
+PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation",
+         "overhead", "sweep", "sweep-backward", "versions", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
 
