@@ -21,7 +21,6 @@
 // with the mean pinned at 0, where the merge is exactly a sum of squares.
 #pragma once
 
-
 #include "common.cuh"
 
 namespace kernel_ladder {
@@ -113,11 +112,9 @@ __device__ __forceinline__ Moments<Acc<T>> block_moments(const T* values, int64_
   return {count, mean, block_sum(m2)};
 }
 
-// One cluster per row (a 1-D grid of rows x cluster size blocks), block r of a cluster owning slice r of
-// slice_packs packs. After each block has its slice's Moments, the cluster barrier makes every block's
-// shared memory readable by the others (distributed shared memory: SM to SM, not through L2 or HBM);
-// each warp reads the cluster's Moments, one a lane, and merges them. The second barrier keeps every
-// block (and so its shared memory) alive until all have read. Then y comes from the staged slice.
+// One cluster per row (common.cuh's cluster_slice): each block stages its slice in shared memory and
+// folds it into one Moments; the cluster merges them through distributed shared memory
+// (cluster_reduce), and each block writes its slice of y from the staged copy, so x is read once.
 template <typename T, bool kSubtractMean>
 __global__ void __launch_bounds__(kLongRowThreads)
 layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
@@ -130,23 +127,21 @@ layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__
   __shared__ Moments<A> slice_statistics;
   T* slice = reinterpret_cast<T*>(shared_bytes);
   const ClusterSlice mine = cluster_slice<kVec>(n, slice_packs);
-  const int64_t row = mine.row, first_pack = mine.first_pack, offset = mine.offset;
-  const int n_packs = mine.n_packs;
-  stage_slice<T>(x + offset, slice, n_packs);
+  stage_slice<T>(x + mine.offset, slice, mine.n_packs);
   const Moments<A> total =
-      cluster_reduce(&slice_statistics, block_moments<T, kVec, kSubtractMean>(slice, n_packs), Add{});
+      cluster_reduce(&slice_statistics, block_moments<T, kVec, kSubtractMean>(slice, mine.n_packs), Add{});
   const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
   if (mine.rank == 0 && threadIdx.x == 0) {
-    if constexpr (kSubtractMean) mean_out[row] = mean;
-    rstd_out[row] = rstd;
+    if constexpr (kSubtractMean) mean_out[mine.row] = mean;
+    rstd_out[mine.row] = rstd;
   }
-  const int64_t first_column = first_pack * kVec;
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+  const int64_t first_column = mine.first_pack * kVec;
+  for (int pack = threadIdx.x; pack < mine.n_packs; pack += blockDim.x) {
     const Pack<T, kVec> in = load_pack<T, kVec>(slice + pack * kVec);
     A values[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-    write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
+    write_normalized_pack<T, kVec, kSubtractMean>(y + mine.offset, weight + first_column,
                                                   kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
   }
 #else

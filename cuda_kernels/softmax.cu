@@ -48,7 +48,6 @@
 //   python -m pytest tests -k "softmax and cuda"
 #include <algorithm>
 
-
 #include "common.cuh"
 
 namespace kernel_ladder {

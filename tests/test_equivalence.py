@@ -59,31 +59,32 @@ def test_inference_forward_matches_float64_reference(component, config, shape, l
 # --- level 4's row-length strategies (launch.row_strategy), each forced at a size the interpreter runs in
 # seconds, for the row-wise components that choose one ---------------------------------------------------
 
-SPLIT_BACKWARD_KERNELS = {"_norm_bwd_split_sums_kernel", "_norm_bwd_split_dx_kernel"}
-SPLIT_KERNELS = {"_norm_fwd_split_statistics_kernel", "_norm_fwd_split_normalize_kernel", *SPLIT_BACKWARD_KERNELS}
+NORM_SPLIT_BACKWARD_KERNELS = {"_norm_bwd_split_sums_kernel", "_norm_bwd_split_dx_kernel"}
+NORM_SPLIT_KERNELS = {"_norm_fwd_split_statistics_kernel", "_norm_fwd_split_normalize_kernel",
+                      *NORM_SPLIT_BACKWARD_KERNELS}
+SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel",
+                         "_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
 STRATEGY_CASES = {
-    # case: (the strategy, the launch settings that force it, (rows, N), kernels it must launch)
-    "tiled": ("tiled", {}, (5, 300), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
-    "row": ("row", {}, (3, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"}),
-    # the norms' backward splits every row too long for registers (layer_norm_backward.py says why)
+    # case: (the strategy, the launch settings that force it, (rows, N),
+    #        kernels it must launch for LayerNorm and RMSNorm, and for softmax)
+    "tiled": ("tiled", {}, (5, 300), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"},
+              {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
+    "row": ("row", {}, (3, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"},
+            {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
+    # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
+    # softmax's backward has no sum across rows, so its looped row stays one program's
     "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024, "SPLIT_BLOCK": 1024}, (3, 5000),
-               {"layer_norm_fwd_looped_kernel", *SPLIT_BACKWARD_KERNELS}),
+               {"layer_norm_fwd_looped_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
+               {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"}),
     # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one
     # slice of every row (the interpreter's 4 program slots hold no two groups of 5 slices)
     "split": ("split", {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}, (3, 5000),
-              SPLIT_KERNELS),
+              NORM_SPLIT_KERNELS, SOFTMAX_SPLIT_KERNELS),
     # 5 rows of 2 slices: the backward's rows fall into two groups (rows 0, 2, 4 and 1, 3), whose
     # partial dw rows the column reduction adds
     "split-groups": ("split", {"SPLIT_MIN_ROW": 2048, "SPLIT_MAX_ROWS_PER_SM": 8, "SPLIT_BLOCK": 2048}, (5, 3000),
-                     SPLIT_KERNELS),
+                     NORM_SPLIT_KERNELS, SOFTMAX_SPLIT_KERNELS),
 }
-
-
-SOFTMAX_KERNELS = {  # the layer-norm kernel names above, for softmax
-    "_layer_norm_fwd_kernel": "_softmax_fwd_kernel", "_layer_norm_bwd_kernel": "_softmax_bwd_kernel",
-}
-SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel",
-                         "_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
 
 
 @pytest.mark.parametrize("case", STRATEGY_CASES)
@@ -91,11 +92,8 @@ SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_s
 @pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
 def test_every_row_strategy_matches_float64_reference(component, case, device, monkeypatch):
     launch_module = importlib.import_module("triton_kernels.launch")
-    strategy, settings, shape, kernels = STRATEGY_CASES[case]
-    if component == "softmax":  # softmax's backward has no cross-row sum: a looped row stays one program's
-        kernels = (SOFTMAX_SPLIT_KERNELS if strategy == "split" else
-                   {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"} if strategy == "looped" else
-                   {SOFTMAX_KERNELS[name] for name in kernels})
+    strategy, settings, shape, norm_kernels, softmax_kernels = STRATEGY_CASES[case]
+    kernels = softmax_kernels if component == "softmax" else norm_kernels
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK

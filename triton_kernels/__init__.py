@@ -60,6 +60,7 @@ and repeat launches skip JITFunction.run for the compiled kernel's own launcher 
 profiling/results/host_path.md.
 """
 
+import importlib
 import os
 import sys
 
@@ -79,8 +80,6 @@ if not torch.cuda.is_available():
 
     triton.knobs.runtime.interpret = True
     if triton_was_imported:
-        import importlib
-
         importlib.reload(triton.language.standard)
         importlib.reload(triton.language)
     print("triton_kernels: no CUDA GPU found, so Triton's interpreter runs the level-4 kernels on the CPU "
@@ -104,8 +103,6 @@ _LESSON_VERSIONS = {"ATTENTION_VERSIONS": "attention_versions", "attention_forwa
 
 def __getattr__(name: str):
     if name in _LESSON_VERSIONS:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LESSON_VERSIONS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
