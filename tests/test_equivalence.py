@@ -69,7 +69,9 @@ STRATEGY_CASES = {
     #        kernels it must launch for LayerNorm and RMSNorm, and for softmax)
     "tiled": ("tiled", {}, (5, 300), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"},
               {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
-    "row": ("row", {}, (3, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"},
+    # (the tiled case's one tile is one program, which writes dw, db itself; these 9 rows are more tiles
+    # than ONE_PROGRAM_TILES, so their programs leave partial rows for the column reduction)
+    "row": ("row", {}, (9, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
             {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
     # softmax's backward has no sum across rows, so its looped row stays one program's

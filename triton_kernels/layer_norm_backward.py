@@ -44,6 +44,10 @@ BACKWARD_WARPS_PER_SM = 8
 running dw, db in registers: ~220 a thread at N = 8192 with 8 warps, so one program fills most of an
 SM's 64K-register file. More programs would only queue, and each adds a row to the partial buffers.
 (On an H100 at 8192 × 8192, one program per SM beat two and four.)"""
+ONE_PROGRAM_TILES = 4
+"""A backward of at most this many tiles (decode sizes: a few rows) runs as one program, which writes
+dw and db itself: the column reduction's launch and the two partial buffers would cost the host more
+time than one program's walk over four tiles costs the GPU."""
 
 
 @triton.jit
@@ -82,10 +86,11 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
         if HAS_BIAS:
             db += dy
     # One row of the partial buffers per program: small enough to stay in L2 for the column reduction.
+    # (A lone program's row is the gradient itself: then PartialDW and PartialDB are dw and db.)
     partial = program.to(tl.int64) * N + cols
-    tl.store(PartialDW + partial, tl.sum(dw, axis=0), mask=col_mask)
+    tl.store(PartialDW + partial, tl.sum(dw, axis=0).to(PartialDW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        tl.store(PartialDB + partial, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(PartialDB + partial, tl.sum(db, axis=0).to(PartialDB.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -114,16 +119,19 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     subtract_mean = mean is not None
     rows, n = row_matrix("layer_norm_backward" if subtract_mean else "rms_norm_backward", x)
     grad_x = torch.empty_like(x)
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.empty_like(weight) if subtract_mean else None
     if rows == 0:
-        return grad_x, torch.zeros_like(weight), (torch.zeros_like(weight) if subtract_mean else None)
+        return grad_x, grad_weight.zero_(), (grad_bias.zero_() if subtract_mean else None)
     if row_strategy(rows, n, x) in ("looped", "split"):  # rows too long for registers: each split across programs
         partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n)
     else:
-        partial_dw, partial_db = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n)
+        partial_dw, partial_db = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n,
+                                                       grad_weight, grad_bias)
+        if partial_dw is grad_weight:  # one program wrote the gradients themselves
+            return grad_x, grad_weight, grad_bias
     # RMSNorm has no bias: dw's buffer and gradient stand in for the pointers its kernels never read.
     programs = partial_dw.shape[0]
-    grad_weight = torch.empty_like(weight)
-    grad_bias = torch.empty_like(weight) if subtract_mean else None
     reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
         n, programs, persistent_program_count(x, n, 2))
     with on_device(x):
@@ -134,15 +142,20 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     return grad_x, grad_weight, grad_bias
 
 
-def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n):
+def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias):
     """dx by the persistent kernel, rows (or tiles of rows) held in registers; returns the (programs, n)
-    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None)."""
+    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None), or, when one program takes
+    every tile (``ONE_PROGRAM_TILES``), grad_weight and grad_bias, which it wrote itself."""
     subtract_mean = mean is not None
     tile = row_tile(n)
-    programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
-    programs = persistent_program_count(x, cdiv(rows, tile.rows_per_tile), programs_per_sm)
-    partial_dw = torch.empty(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
-    partial_db = torch.empty_like(partial_dw) if subtract_mean else None
+    tiles = cdiv(rows, tile.rows_per_tile)
+    if tiles <= ONE_PROGRAM_TILES:
+        programs, partial_dw, partial_db = 1, grad_weight, grad_bias
+    else:
+        programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
+        programs = persistent_program_count(x, tiles, programs_per_sm)
+        partial_dw = torch.empty(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
+        partial_db = torch.empty_like(partial_dw) if subtract_mean else None
     flags = dict(COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
                  num_warps=tile.num_warps, enable_fp_fusion=False)
     # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
