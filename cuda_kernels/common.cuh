@@ -169,27 +169,59 @@ bool compiled_for_clusters(Kernel kernel) {
   return attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
 }
 
-// Launches kernel(args...) on `blocks` blocks of `threads` in clusters of cluster_blocks (1-D, up to 16),
-// each block with shared_bytes of dynamic shared memory (beyond 48 KB it must be asked for, per device,
-// so on every launch).
-template <typename... Params, typename... Args>
-void launch_in_clusters(void (*kernel)(Params...), int64_t blocks, int cluster_blocks, int threads, int shared_bytes,
-                        cudaStream_t stream, Args... args) {
+// Clusters of 9 to 16 blocks are "non-portable", and dynamic shared memory beyond 48 KB must be asked
+// for: both per kernel and per device, so before every launch or occupancy query.
+template <typename... Params>
+void allow_clusters(void (*kernel)(Params...), int shared_bytes) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);  // clusters of 9 to 16
-  cudaLaunchAttribute cluster_shape;
-  cluster_shape.id = cudaLaunchAttributeClusterDimension;
-  cluster_shape.val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
-  cluster_shape.val.clusterDim.y = 1;
-  cluster_shape.val.clusterDim.z = 1;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+}
+
+// `blocks` blocks of `threads` in clusters of cluster_blocks (1-D, up to 16), each block with shared_bytes
+// of dynamic shared memory. The configuration points at `shape`, which must outlive it.
+inline cudaLaunchConfig_t cluster_launch_config(cudaLaunchAttribute* shape, int64_t blocks, int cluster_blocks,
+                                                int threads, int shared_bytes, cudaStream_t stream) {
+  shape->id = cudaLaunchAttributeClusterDimension;
+  shape->val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
+  shape->val.clusterDim.y = 1;
+  shape->val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
   config.stream = stream;
-  config.attrs = &cluster_shape;
+  config.attrs = shape;
   config.numAttrs = 1;
+  return config;
+}
+
+// Launches kernel(args...) on `blocks` blocks of `threads` in clusters of cluster_blocks.
+template <typename... Params, typename... Args>
+void launch_in_clusters(void (*kernel)(Params...), int64_t blocks, int cluster_blocks, int threads, int shared_bytes,
+                        cudaStream_t stream, Args... args) {
+  allow_clusters(kernel, shared_bytes);
+  cudaLaunchAttribute shape;
+  const cudaLaunchConfig_t config =
+      cluster_launch_config(&shape, blocks, cluster_blocks, threads, shared_bytes, stream);
   cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// How many clusters of cluster_blocks blocks the GPU runs at once: a persistent grid launches that many.
+// A cluster's blocks must share one GPC (a group of up to 18 SMs on the H100), so this is not the
+// blocks an SM holds x SMs / cluster_blocks: what a GPC has left over beyond whole clusters stays idle.
+// 0 when the query fails; its error is cleared, since no launch failed.
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads, int shared_bytes) {
+  allow_clusters(kernel, shared_bytes);
+  cudaLaunchAttribute shape;
+  const cudaLaunchConfig_t config =
+      cluster_launch_config(&shape, cluster_blocks, cluster_blocks, threads, shared_bytes, nullptr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return clusters;
 }
 
 // exp in the accumulator type. __expf is the hardware's exp2 unit (MUFU.EX2) after one multiply by
@@ -282,11 +314,12 @@ struct Add {
 template <typename A>
 __device__ __forceinline__ A block_sum(A value) { return block_reduce(value, Add{}); }
 
-// --- a row held by a thread-block cluster (Hopper, sm_90+: softmax.cu, layer_norm_long_rows.cuh) -----
+// --- a row held by a thread-block cluster (Hopper, sm_90+: softmax.cu, layer_norm*.cu*) ----------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // One cluster per row (a 1-D grid of rows x cluster size blocks): block `rank` of a cluster owns slice
 // `rank` of slice_packs packs of kVec values, n_packs of them inside the row, starting `offset` values
-// into x.
+// into x. In a persistent grid of clusters (layer_norm_backward.cu), `row` is the cluster's index and
+// first row, and the block owns the same slice of every row the cluster walks.
 struct ClusterSlice {
   int rank;
   int64_t row;

@@ -31,8 +31,11 @@
 //   layer_norm_backward_kernel          a persistent grid: each block walks rows blockIdx.x, + gridDim.x,
 //                                       ... holding x, dy in registers; writes dx, and keeps its running
 //                                       dw, db in registers, written once as its row of a partial buffer
-//   layer_norm_backward_looped_kernel   the same for long rows: two passes over each row, and the
-//                                       block's dw, db accumulated in its partial row in global memory
+//   layer_norm_backward_cluster_kernel  the same for rows of up to 16 blocks' registers, Hopper (sm_90) and
+//                                       later: a thread-block CLUSTER in place of each block, each of its
+//                                       blocks holding one column slice of every row it walks
+//   layer_norm_backward_looped_kernel   long rows the clusters can't take: two passes over each row, and
+//                                       the block's dw, db accumulated in its partial row in global memory
 //   layer_norm_weight_grads_kernel      sums the partial rows' columns into dw and db (deterministic)
 //
 // The one idea that makes it fast
@@ -49,9 +52,10 @@
 //   registers, up to 32 KB in a block's registers, up to 1 MB (16 x 64 KB) in a cluster's shared memory
 //   on sm_90+ when n is a multiple of the pack width; longer rows, rows on older GPUs and rows not in
 //   16-byte packs are split (too few rows to fill the GPU: x read twice, the second time from L2 while it
-//   fits) or looped (x read three times). Backward: 8192 values (4096 float64) in registers, longer rows
-//   read twice: by one block per row, or, when the rows are fewer than the blocks the GPU holds at once,
-//   by column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads need n to be
+//   fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a block's registers, up
+//   to 16 times that in a cluster's on sm_90+ (16-byte packs); other long rows are read twice: by one
+//   block per row, or, when the rows are fewer than the blocks the GPU holds at once (sm_90 too), by
+//   column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads need n to be
 //   a multiple of the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers, else
 //   1-element loads. rows < 2^31.
 //   float16, bfloat16, float32 (statistics and sums in float32) and float64.

@@ -5,8 +5,14 @@
 //   layer_norm_backward_kernel          a persistent grid: each block walks rows blockIdx.x, + gridDim.x,
 //                                       ... holding x, dy in registers; writes dx, and keeps its running
 //                                       dw, db in registers, written once as its row of a partial buffer
-//   layer_norm_backward_looped_kernel   the same for long rows: two passes over each row, and the
-//                                       block's dw, db accumulated in its partial row in global memory
+//   layer_norm_backward_cluster_kernel  the same for rows of up to 16 blocks' registers on sm_90+, a
+//                                       thread-block CLUSTER in place of each block: every block of it holds
+//                                       one column slice of each row, the slices' row sums meet in
+//                                       distributed shared memory, one partial row per cluster
+//                                       (layer_norm_backward_cluster.cuh)
+//   layer_norm_backward_looped_kernel   long rows the clusters can't take (older GPUs, rows not in 16-byte
+//                                       packs or longer than 16 blocks hold): two passes over each row, and
+//                                       the block's dw, db accumulated in its partial row in global memory
 //   layer_norm_weight_grads_kernel      sums the partial rows' columns into dw and db (deterministic)
 //   Few long rows (fewer than the persistent grid has blocks), the grid cut by columns instead:
 //   layer_norm_backward_slice_sums_kernel   block s walks every row's slice s: (sum g, sum g*xhat) per slice
@@ -22,95 +28,36 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "layer_norm_backward_cluster.cuh"
 
 namespace kernel_ladder {
 
-// Row values per thread in registers: the backward holds four arrays (xhat, g, running dw, db: 8 floats,
-// 4 doubles) in 1024-thread blocks of 64 registers a thread.
-template <typename A> constexpr int kBackwardValues = 32 / static_cast<int>(sizeof(A));
-
-// g = w * dy, rounded on its own. nvcc would otherwise fuse the product into later additions (an FMA
-// keeps it unrounded), and the g in g - mean(g) would differ from the g that was summed: with n = 1
-// the exact answer dx = 0 would come out as rounding noise. __fmul_rn is never fused.
-__device__ __forceinline__ float product_rounded(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double product_rounded(double a, double b) { return __dmul_rn(a, b); }
-
-// The two row sums of the backward, reduced together: one trip through shared memory, not two.
-template <typename A>
-struct RowSums {
-  A g, g_xhat;
-};
-
-template <typename A>
-__device__ __forceinline__ RowSums<A> operator+(RowSums<A> a, RowSums<A> b) { return {a.g + b.g, a.g_xhat + b.g_xhat}; }
 // --- backward ------------------------------------------------------------------------------------
 
+// Rows of up to 8192 values (4096 float64): one block's registers hold the row (HeldBackwardPacks).
 template <typename T, int kVec, bool kSubtractMean>
 __global__ void __launch_bounds__(kMaxThreads)
 layer_norm_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ x, const T* __restrict__ weight,
                            const Acc<T>* __restrict__ mean, const Acc<T>* __restrict__ rstd, T* __restrict__ grad_x,
                            Acc<T>* __restrict__ partial_dw, Acc<T>* __restrict__ partial_db, int64_t rows, int64_t n) {
   using A = Acc<T>;
-  constexpr int kPacks = kBackwardValues<A> / kVec;
   const int n_packs = static_cast<int>(n / kVec);  // a row held in registers has at most 8192 values
-  // This thread's columns are the same in every row, so its share of dw and db lives in registers
-  // across all the rows of the block.
-  A dw[kPacks][kVec] = {};
-  A db[kPacks][kVec] = {};  // RMSNorm never writes it, and the compiler drops it
+  HeldBackwardPacks<T, kVec> held;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
-    const T* dy_row = grad_out + row * n;
-    const T* x_row = x + row * n;
-    A xhat[kPacks][kVec], g[kPacks][kVec];
-    RowSums<A> sums{};
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * blockDim.x;
-      if (pack >= n_packs) continue;
-      const Pack<T, kVec> dy = load_pack_once<T, kVec>(dy_row + pack * kVec);
-      const Pack<T, kVec> in = load_pack_once<T, kVec>(x_row + pack * kVec);
-      const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const A dy_j = to_acc(dy.val[j]);
-        xhat[k][j] = (to_acc(in.val[j]) - row_mean) * row_rstd;
-        g[k][j] = product_rounded(to_acc(w.val[j]), dy_j);
-        dw[k][j] += dy_j * xhat[k][j];
-        db[k][j] += dy_j;
-        sums = sums + RowSums<A>{g[k][j], g[k][j] * xhat[k][j]};
-      }
-    }
-    sums = block_reduce(sums, Add{});
+    const RowSums<A> sums =
+        block_reduce(held.load(grad_out + row * n, x + row * n, weight, n_packs, row_mean, row_rstd), Add{});
     const A mean_g = kSubtractMean ? sums.g / A(n) : A(0), mean_g_xhat = sums.g_xhat / A(n);
-    T* dx_row = grad_x + row * n;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * blockDim.x;
-      if (pack >= n_packs) continue;
-      Pack<T, kVec> out;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) out.val[j] = from_acc<T>(row_rstd * (g[k][j] - mean_g - xhat[k][j] * mean_g_xhat));
-      store_pack_once<T, kVec>(dx_row + pack * kVec, out);
-    }
+    held.store_dx(grad_x + row * n, n_packs, row_rstd, mean_g, mean_g_xhat);
   }
-  // This block's partial sums: one row of each buffer, written once, read by the column reduction.
-  A* block_dw = partial_dw + blockIdx.x * n;
-  A* block_db = partial_db + blockIdx.x * n;
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = threadIdx.x + k * blockDim.x;
-    if (pack >= n_packs) continue;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      block_dw[pack * kVec + j] = dw[k][j];
-      if constexpr (kSubtractMean) block_db[pack * kVec + j] = db[k][j];
-    }
-  }
+  held.template store_partials<kSubtractMean>(partial_dw + blockIdx.x * n, partial_db + blockIdx.x * n, n_packs);
 }
 
-// Rows longer than the registers hold. Pass 1 reads x, dy and w for the two row sums; pass 2 reads them
-// again (from L2 when the row fits there), writes dx, and adds dy*xhat and dy into this block's partial
-// row. No other block touches that row, and no other thread of the block touches these columns.
+// Long rows the cluster kernel can't take: on GPUs before sm_90, rows not in 16-byte packs, rows longer
+// than 16 blocks' registers. Pass 1 reads x, dy and w for the two row sums; pass 2 reads them again (from
+// L2 when the row fits there), writes dx, and adds dy*xhat and dy into this block's partial row (a
+// read-modify-write of it per row). No other block touches that row, and no other thread of the block
+// touches these columns.
 template <typename T, int kVec, bool kSubtractMean>
 __global__ void __launch_bounds__(kMaxThreads)
 layer_norm_backward_looped_kernel(const T* __restrict__ grad_out, const T* __restrict__ x, const T* __restrict__ weight,
@@ -292,11 +239,13 @@ auto backward_kernel_for(int64_t n, int* threads) {
                       : layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
 }
 
-// The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1), or, for
-// rows too long for registers and fewer than the blocks the GPU holds at once, `splits` column slices.
+// The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1) or, for rows
+// too long for one block's registers on sm_90+, of partial_rows clusters (in_clusters); or, for rows too
+// long for registers and fewer than the blocks the GPU holds at once, `splits` column slices.
 struct BackwardPlan {
   int64_t partial_rows = 0;
   int64_t splits = 1;
+  bool in_clusters = false;
 };
 
 template <bool kSubtractMean>
@@ -314,6 +263,14 @@ BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
     const bool in_registers = n <= int64_t{kMaxThreads} * kBackwardValues<Acc<T>>;
     if (in_registers || rows >= resident) {
       plan.partial_rows = std::min(rows, resident);
+      // Longer rows on sm_90+: as many clusters as are resident at once, one partial row each. The
+      // workspace is sized for them, so a launch whose pointers turn out not 16-byte aligned runs the
+      // looped kernel on that many blocks (fewer than `resident`, but any grid walks every row).
+      const int clusters = in_registers ? 0 : backward_resident_clusters<T, kSubtractMean>(n);
+      if (clusters > 0) {
+        plan.partial_rows = std::min<int64_t>(rows, clusters);
+        plan.in_clusters = true;
+      }
       return;
     }
     // Slices of at most kMaxThreads values (one pack a thread, even unvectorised), enough for
@@ -367,12 +324,17 @@ void launch_backward(DType dtype, const void* grad_out, const void* x, const voi
     }
     A* partial_dw = static_cast<A*>(workspace);
     A* partial_db = kSubtractMean ? partial_dw + plan.partial_rows * n : nullptr;
-    dispatch_vector_width<T>(vectorise, [&](auto vec) {
-      int threads = 0;
-      const auto kernel = backward_kernel_for<T, decltype(vec)::value, kSubtractMean>(n, &threads);
-      kernel<<<static_cast<unsigned>(plan.partial_rows), threads, 0, s>>>(dy, in, w, means, rstds, dx, partial_dw,
-                                                                         partial_db, rows, n);
-    });
+    if (plan.in_clusters && vectorise) {
+      launch_backward_cluster<T, kSubtractMean>(dy, in, w, means, rstds, dx, partial_dw, partial_db, rows, n,
+                                                plan.partial_rows, s);
+    } else {
+      dispatch_vector_width<T>(vectorise, [&](auto vec) {
+        int threads = 0;
+        const auto kernel = backward_kernel_for<T, decltype(vec)::value, kSubtractMean>(n, &threads);
+        kernel<<<static_cast<unsigned>(plan.partial_rows), threads, 0, s>>>(dy, in, w, means, rstds, dx, partial_dw,
+                                                                           partial_db, rows, n);
+      });
+    }
     const dim3 tile(kColumnTile, kColumnTile);
     layer_norm_weight_grads_kernel<T, kSubtractMean><<<static_cast<unsigned>(ceil_div(n, kColumnTile)), tile, 0, s>>>(
         partial_dw, partial_db, plan.partial_rows, n, static_cast<T*>(grad_weight), static_cast<T*>(grad_bias));
