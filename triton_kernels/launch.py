@@ -340,7 +340,7 @@ def column_reduction_launch(n: int, partial_rows: int, programs_target: int) -> 
 #
 # The key holds everything Triton's does, or more (a finer key only costs an extra trip through the
 # JIT, never a wrong kernel): the kernel, the device, the knobs that JITFunction.run folds into the
-# options, per argument its type and, for a tensor, its dtype and 16-byte alignment, for an int
+# options, per argument its type and, for a tensor, its dtype and its address modulo 16, for an int
 # whether it is 1, whether a multiple of 16, and its width (int32, int64 or uint64), and every
 # constexpr and launch option by value. What it skips: JITFunction.run's
 # check that the globals a kernel read are unchanged (ours read module constants only) and its
@@ -367,7 +367,8 @@ def launch(kernel, grid, *args, **constants) -> None:
     # The tensors' part of the key is written inline: most arguments are tensors, and a function call
     # per argument was a quarter of this function's time.
     key = (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
-           *[(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else _scalar_key(arg) for arg in args],
+           *[(arg.dtype, arg.data_ptr() & 15) if isinstance(arg, torch.Tensor)
+             else (_INT_KEYS.get(arg) or _int_key(arg)) if type(arg) is int else type(arg) for arg in args],
            *constants.items())
     entry = _compiled_kernels.get(key)
     if entry is None:
@@ -413,9 +414,12 @@ _OPTION_KNOBS = [(triton.knobs.runtime, "debug"), (triton.knobs.compilation, "in
 
 
 _INT32 = range(-2**31, 2**31)
+_INT_KEYS: dict[int, tuple] = {}
+"""An int argument's part of the key, per value: a launcher passes the same few sizes (rows, N, strides)
+call after call, and one dict lookup costs less than recomputing the four tests. (Only ints enter:
+1.0 and True equal 1 as dict keys, so other types never look here.)"""
 
 
-def _scalar_key(value) -> tuple:
-    if type(value) is int:
-        return int, value == 1, value % 16 == 0, value in _INT32, value >= 2**63
-    return (type(value),)
+def _int_key(value: int) -> tuple:
+    key = _INT_KEYS[value] = (int, value == 1, value % 16 == 0, value in _INT32, value >= 2**63)
+    return key
