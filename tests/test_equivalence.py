@@ -75,7 +75,8 @@ STRATEGY_CASES = {
             {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
     # softmax's backward has no sum across rows, so its looped row stays one program's
-    "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024, "SPLIT_BLOCK": 1024}, (3, 5000),
+    "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024,
+                          "SPLIT_BLOCK": 1024}, (3, 5000),
                {"layer_norm_fwd_looped_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
                {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"}),
     # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one

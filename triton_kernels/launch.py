@@ -227,6 +227,12 @@ MAX_ROW_BLOCK = 16384
 """The longest row a program holds in registers (64 KB in float32: 32 values a thread at 16 warps,
 about the most that leaves registers for the arithmetic without spilling). Longer rows are looped
 over in blocks of ``LOOPED_ROW_BLOCK``."""
+MAX_ONE_ARRAY_ROW_BLOCK = 32768
+"""The longest row held in registers by a kernel that keeps one value an element there (softmax's
+forward: x becomes exp(x − max) in place) rather than two (the norms keep x and x − mean): 32 values a
+thread at 32 warps. The row is then read once instead of twice, and for float32 rows of 32,768 the H100
+measured the difference (profiling/results/h100/sweep.csv); the norms at this length spilled registers
+and ran slower than their looped kernel."""
 LOOPED_ROW_BLOCK = 4096
 MIN_TILE = 4096
 """Short rows are packed several to a program until a tile holds this many elements, so that every
@@ -244,20 +250,21 @@ class RowTile(NamedTuple):
 
 
 @functools.cache
-def row_tile(n: int) -> RowTile:
+def row_tile(n: int, one_array: bool = False) -> RowTile:
     """The launch shape for rows of ``n`` elements.
 
-    Heuristic: the row rounded up to a power of two is one block if it fits in ``MAX_ROW_BLOCK``;
+    Heuristic: the row rounded up to a power of two is one block if it fits in ``MAX_ROW_BLOCK``
+    (``MAX_ONE_ARRAY_ROW_BLOCK`` for a kernel that holds ``one_array`` of the row's values);
     short rows are stacked until the tile reaches ``MIN_TILE`` elements; warps grow with the tile at
-    one warp per 1024 elements (32 values a thread), between 4 and 16. Fewer, fuller threads won on
+    one warp per 1024 elements (32 values a thread), between 4 and 32. Fewer, fuller threads won on
     an H100: at N = 8192 the forward moved 2.84 TB/s with 8 warps and 2.43 TB/s with 16."""
     block_n = next_power_of_2(n)
-    if block_n > MAX_ROW_BLOCK:
+    if block_n > (MAX_ONE_ARRAY_ROW_BLOCK if one_array else MAX_ROW_BLOCK):
         # 8 warps, 16 values a thread: with 4 warps a looped backward spilled registers.
         return RowTile(LOOPED_ROW_BLOCK, 1, 8, True)
     rows_per_tile = max(1, MIN_TILE // block_n)
     tile = block_n * rows_per_tile
-    return RowTile(block_n, rows_per_tile, max(4, min(16, tile // 1024)), False)
+    return RowTile(block_n, rows_per_tile, max(4, min(32, tile // 1024)), False)
 
 
 SPLIT_MIN_ROW = 32768

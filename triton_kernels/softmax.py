@@ -8,7 +8,7 @@ What it computes
 Kernels, in the order they run
     ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
                                      exp, sum, write once
-    ``softmax_fwd_online_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 keeps a running maximum and
+    ``softmax_fwd_online_kernel``   rows longer than MAX_ONE_ARRAY_ROW_BLOCK: pass 1 keeps a running maximum and
                                      a running sum, rescaled whenever the maximum grows (the *online*
                                      softmax); pass 2 normalises. The row is read twice
     ``_softmax_bwd_kernel``          dx per row from y and dy in registers
@@ -24,8 +24,8 @@ The one idea that makes it fast
 
 Launch
     ``launch.row_tile``, shared with LayerNorm: a row rounded up to a power of two is one block if it
-    fits in 16384 elements; short rows are stacked into tiles of at least 4096 elements; one warp per
-    1024 elements. Longer rows get one program each and are walked in blocks of 4096, unless they are
+    fits in 16384 elements (the forward, which keeps one value an element in registers, 32768 at 32
+    warps); short rows are stacked into tiles of at least 4096 elements; one warp per 1024 elements. Longer rows get one program each and are walked in blocks of 4096, unless they are
     too few to fill the SMs: then ``launch.row_strategy`` splits each across programs (softmax_split.py).
 
 Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
@@ -138,14 +138,16 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x)
+    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x, one_array=True)
 
 
-def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor) -> torch.Tensor:
+def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor,
+                     one_array: bool = False) -> torch.Tensor:
     """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
     (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
-    few long rows split across programs (``split_launcher``, softmax_split.py)."""
+    few long rows split across programs (``split_launcher``, softmax_split.py). ``one_array``: the
+    tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers."""
     rows, n = row_matrix("softmax", inputs[-1])
     out = torch.empty_like(inputs[-1])
     if out.numel() == 0:
@@ -153,7 +155,7 @@ def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch
     if row_strategy(rows, n, out) == "split":
         split_launcher(*inputs, out, rows, n)
         return out
-    tile = row_tile(n)
+    tile = row_tile(n, one_array)
     compute = compute_dtype(out.dtype)
     with on_device(out):
         if tile.looped:

@@ -11,7 +11,7 @@ walk the row in blocks of ``LOOPED_ROW_BLOCK``)
                ``softmax_fwd_online_kernel``, launched for any N.)
     version 3  version 2 + the whole row held in registers: one load, max, exp, sum, one store;
                short rows are stacked several to a program. x read once. This is level 4's own
-               forward (``launch_softmax_fwd``), for rows up to MAX_ROW_BLOCK; it loops like version 2
+               forward (``launch_softmax_fwd``), for rows up to MAX_ONE_ARRAY_ROW_BLOCK; it loops like version 2
                over longer ones.
 
 Why each is faster
