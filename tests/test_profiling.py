@@ -325,3 +325,13 @@ def test_source_lines_cuts_a_function_from_one_marker_to_the_next_or_to_its_end(
     assert source_lines(source_lines, "end = len").strip().endswith('return "\\n".join(lines[start:end])')
     kernel_lines = source_lines(merge_key_blocks, "if EXP2", "row_sum = row_sum * rescale")  # a @triton.jit's Python
     assert kernel_lines.strip().startswith("if EXP2") and "tl.exp(row_max - shift)" in kernel_lines
+
+
+def test_the_layer_norm_host_path_is_timed_piece_by_piece():
+    from profiling.host_path import layer_norm_pieces
+
+    rows = layer_norm_pieces("cpu", torch.float32, budget_s=0.01)  # interpreted kernels: a few calls each
+    names = [what for what, _ in rows]
+    assert names[:3] == ["4 Triton: forward with grad on", "4 Triton: forward + .backward()",
+                         "1 native PyTorch: forward + .backward()"]
+    assert len(names) == 8 and all(math.isfinite(us) and us > 0 for _, us in rows)

@@ -8,9 +8,9 @@ What it computes
 Kernels, in the order they run
     ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
                                      exp, sum, write once
-    ``softmax_fwd_online_kernel``   rows longer than MAX_ONE_ARRAY_ROW_BLOCK: pass 1 keeps a running maximum and
-                                     a running sum, rescaled whenever the maximum grows (the *online*
-                                     softmax); pass 2 normalises. The row is read twice
+    ``softmax_fwd_online_kernel``   rows longer than MAX_ONE_ARRAY_ROW_BLOCK: pass 1 keeps a running
+                                     maximum and a running sum, rescaled whenever the maximum grows
+                                     (the *online* softmax); pass 2 normalises. The row is read twice
     ``_softmax_bwd_kernel``          dx per row from y and dy in registers
     ``_softmax_bwd_looped_kernel``   the same for long rows: pass 1 sums dy·y, pass 2 writes dx
     (a few long rows: split across programs, in softmax_split.py)
@@ -25,8 +25,9 @@ The one idea that makes it fast
 Launch
     ``launch.row_tile``, shared with LayerNorm: a row rounded up to a power of two is one block if it
     fits in 16384 elements (the forward, which keeps one value an element in registers, 32768 at 32
-    warps); short rows are stacked into tiles of at least 4096 elements; one warp per 1024 elements. Longer rows get one program each and are walked in blocks of 4096, unless they are
-    too few to fill the SMs: then ``launch.row_strategy`` splits each across programs (softmax_split.py).
+    warps); short rows are stacked into tiles of at least 4096 elements; one warp per 1024 elements.
+    Longer rows get one program each and are walked in blocks of 4096, unless they are too few to fill
+    the SMs: then ``launch.row_strategy`` splits each across programs (softmax_split.py).
 
 Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
     8192 × 8192 float32: forward 183 µs, 2.94 TB/s (99 % of copy; torch.softmax 1.84 TB/s), backward
@@ -138,7 +139,8 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x, one_array=True)
+    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x,
+                            one_array=True)
 
 
 def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor,
