@@ -126,10 +126,10 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     if row_strategy(rows, n, x) in ("looped", "split"):  # rows too long for registers: each split across programs
         partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n)
     else:
-        partial_dw, partial_db = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n,
-                                                       grad_weight, grad_bias)
-        if partial_dw is grad_weight:  # one program wrote the gradients themselves
+        partials = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias)
+        if partials is None:  # one program wrote the gradients themselves
             return grad_x, grad_weight, grad_bias
+        partial_dw, partial_db = partials
     # RMSNorm has no bias: dw's buffer and gradient stand in for the pointers its kernels never read.
     programs = partial_dw.shape[0]
     reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
@@ -144,12 +144,13 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
 
 def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias):
     """dx by the persistent kernel, rows (or tiles of rows) held in registers; returns the (programs, n)
-    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None), or, when one program takes
-    every tile (``ONE_PROGRAM_TILES``), grad_weight and grad_bias, which it wrote itself."""
+    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None), or None when one program took
+    every tile (``ONE_PROGRAM_TILES``) and wrote grad_weight and grad_bias itself."""
     subtract_mean = mean is not None
     tile = row_tile(n)
     tiles = cdiv(rows, tile.rows_per_tile)
-    if tiles <= ONE_PROGRAM_TILES:
+    one_program = tiles <= ONE_PROGRAM_TILES
+    if one_program:
         programs, partial_dw, partial_db = 1, grad_weight, grad_bias
     else:
         programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
@@ -166,4 +167,4 @@ def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad
     with on_device(x):
         launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
                partial_db_in, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, **flags)
-    return partial_dw, partial_db
+    return None if one_program else (partial_dw, partial_db)
