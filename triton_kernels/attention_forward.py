@@ -30,7 +30,8 @@ The one idea that makes it fast
 
 Launch
     ``forward_tile``: a fixed table per tile width for 16-bit inputs, measured on an H100 (see
-    FORWARD_TILES), and a smaller tile under a sliding window (WINDOW_TILE); float32 and float64 take
+    FORWARD_TILES), a 4-warp tile for head dims of two slices (SPLIT_TILE) and a smaller tile under
+    a sliding window (WINDOW_TILE); float32 and float64 take
     smaller tiles (``attention_tiles.wide_float_tile``), as their products run on the CUDA cores or the
     float64 tensor cores with operands held in registers.
 
@@ -47,7 +48,8 @@ Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medi
     tensor cores).
 
 Limits
-    head_dim a multiple of 8 up to 256 (tiles padded to a power of two, attention_tiles.py); k and v may have
+    head_dim a multiple of 8 up to 256 (72 … 96 and 136 … 192 as two power-of-two column slices, the others
+    on a tile padded to a power of two: attention_tiles.py); k and v may have
     fewer heads than q (grouped-query attention); any sequence lengths (the last blocks are masked); float16,
     bfloat16, float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32
     (float64 for float64); float32 and float64 under the CPU interpreter. Contiguous (B, H, L, D) inputs.
@@ -65,12 +67,13 @@ from .attention_tiles import (
     LOG2E,
     AttentionTile,
     check_attention_shapes,
+    head_dim_slices,
     key_block_range,
     keys_visible,
-    load_rows,
+    load_columns,
     padded_head_dim,
     query_block_of_program,
-    store_rows,
+    store_columns,
     wide_float_tile,
 )
 from .launch import (
@@ -92,15 +95,28 @@ FORWARD_TILES = {
     32: AttentionTile(128, 64, 4, 3),
     64: AttentionTile(128, 64, 8, 3),
     128: AttentionTile(128, 64, 8, 3),
-    256: AttentionTile(64, 32, 8, 2),
+    256: AttentionTile(128, 64, 8, 2),
 }
 """Forward tiles for float16 and bfloat16, per tile width (the head dim rounded up to a power of two,
 ``padded_head_dim``), measured on an H100 (batch 4, 16 heads,
 seq 4096, causal, bfloat16). 128 queries a program: two warpgroups of the tensor cores' 64-row
 instructions, and each k, v block loaded is reused by 128 queries. Key blocks of 64 keep the score
 tile, the accumulator and three loads in flight within the registers and shared memory of one SM.
-At head_dim 128: (128, 64, 8 warps, 3 stages) 0.658 ms; 4 stages 0.665; 2 stages 0.810 (the loads
-no longer hide behind the matmuls); 128-key blocks 0.688; 64 queries and 4 warps 0.725."""
+At head_dim 128: (128, 64, 8 warps, 3 stages) 0.650 ms; 4 stages 0.668; 2 stages 0.810 (the loads
+no longer hide behind the matmuls); 128-key blocks 0.688-0.738; 64 queries and 4 warps 0.725.
+At head_dim 256 the same 128 × 64 tile in 2 stages (q 64 KB and 2 × (k + v) 128 KB of shared memory,
+one program an SM) takes 1.29 ms, 425 TFLOP/s, as fast as head_dim 128; 64 queries a program (64 × 32
+or 64 × 64 blocks, 4 or 8 warps) 1.71-3.46 ms: a k, v block reused by half as many queries doubles the
+shared-memory traffic per product, which at 256 columns is what limits; 1 stage 1.64 ms."""
+
+SPLIT_TILE = AttentionTile(128, 64, 4, 3)
+"""The forward tile for head dims that run as a 64-column slice and a 16- or 32-column one (72 … 96,
+``head_dim_slices``), 16-bit inputs. Measured on an H100 (4, 16, 4096, causal, bfloat16): head_dim 80
+0.501 ms, 343 TFLOP/s (0.81× head_dim 128's 423) against 0.616 ms with 8 warps and 0.672 ms on the
+padded 128-wide tile; head_dim 96 0.557 ms, 370 TFLOP/s (0.88×) against 0.624 and 0.673. With the
+accumulator 80-96 columns wide, 4 warps hold it in registers (80 a thread) and the two products of
+a block issue from one warpgroup each, where 8 warps split each product in halves too small to keep
+the tensor cores fed."""
 
 
 WINDOW_TILE = AttentionTile(64, 64, 4, 3)
@@ -109,38 +125,41 @@ WINDOW_TILE = AttentionTile(64, 64, 4, 3)
 loop, decides the time: 64 queries a program doubles the programs and halves the last wave's idle
 SMs. Measured on an H100 (bfloat16, (1, 4, 16384, 128), window 1024, do_bench): 0.110 ms against
 0.121 ms with the causal tile (128, 64, 8, 3), whose full causal run takes 0.561 ms (64-query tiles
-there: 0.635 ms).
-
-Tile width 256 (head dims 136 … 256) is chosen by arithmetic, not yet measured: the 128-wide tile would
-hold a (128, 256) float32 accumulator, 128 registers a thread over 8 warps besides q and the scores,
-and (128 + 2 stages × 2 × 64) rows × 512 bytes = 192 KB of shared memory, one program per SM at best.
-64 queries against 32-key blocks in 2 stages need 64 × 512 + 2 × 2 × 32 × 512 = 96 KB (of the 227 KB
-a block may have on an H100) and 64 accumulator registers a thread over 8 warps, so two programs fit
-an SM. The sliding-window tile keeps this shape at 256 too."""
+there: 0.635 ms). The window keeps the causal tile at width 256 (chosen by arithmetic, not measured)."""
 
 
-def forward_tile(block_d: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
+def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
+    block_d = padded_head_dim(head_dim)
     if dtype.itemsize != 2:
         return wide_float_tile(block_d)
-    return WINDOW_TILE if windowed and block_d <= 128 else FORWARD_TILES[block_d]
+    if windowed and block_d <= 128:
+        return WINDOW_TILE
+    main, rest = head_dim_slices(head_dim)
+    return SPLIT_TILE if rest and main <= 64 else FORWARD_TILES[block_d]
 
 
 # --- forward -----------------------------------------------------------------------------------------
 
 
 @triton.jit
-def merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, start, end, query_length, key_length, window,
-                     qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, EXP2: tl.constexpr):
+def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, start, end, query_length,
+                     key_length, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     REST_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP2: tl.constexpr):
     """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block: the
     online softmax, a tile of scores living and dying in registers. With EXP2 (level 4's way) the
     scores come in base-2 units, qk_scale holding log2(e); without it they are natural, for plain exp
-    (attention_versions.py's version 2)."""
+    (attention_versions.py's version 2). REST_D > 0: the head dim's columns BLOCK_D … BLOCK_D + REST_D − 1
+    are a second slice (``head_dim_slices``), q_rest and acc_rest its query tile and accumulator; with
+    REST_D = 0 those two are passed through untouched."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # base-2 units with EXP2
+        k = load_columns(K, keys, key_length, HEAD_DIM, 0, BLOCK_D, MASKED)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if REST_D > 0:
+            k_rest = load_columns(K, keys, key_length, HEAD_DIM, BLOCK_D, REST_D, MASKED)
+            scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=DOT_PRECISION, out_dtype=scores.dtype)
+        scores = scores * qk_scale  # base-2 units with EXP2
         if MASKED:
             scores = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window,
                                        CAUSAL, WINDOWED), scores, float("-inf"))
@@ -155,18 +174,23 @@ def merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, start, end, query_
             p = tl.exp(scores - shift[:, None])
             rescale = tl.exp(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_columns(V, keys, key_length, HEAD_DIM, 0, BLOCK_D, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
         # the compute precision (out_dtype: a float64 accumulator must say so, tl.dot's default is float32).
-        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
+        if REST_D > 0:
+            v_rest = load_columns(V, keys, key_length, HEAD_DIM, BLOCK_D, REST_D, MASKED)
+            acc_rest = tl.dot(p, v_rest, acc_rest * rescale[:, None], input_precision=DOT_PRECISION,
+                              out_dtype=acc_rest.dtype)
         row_max = new_max
-    return acc, row_sum, row_max
+    return acc, acc_rest, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
 def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, window, scale_high, scale_low,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REST_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)
     Q += batch_head * query_length * HEAD_DIM
@@ -176,27 +200,34 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, wi
     V += batch_head // group * key_length * HEAD_DIM
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, True)  # stays on chip for the whole loop
+    q = load_columns(Q, queries, query_length, HEAD_DIM, 0, BLOCK_D, True)  # stays on chip for the whole loop
     qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
     acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
+    q_rest, acc_rest = q, acc  # one slice: placeholders merge_key_blocks passes through
+    if REST_D > 0:
+        q_rest = load_columns(Q, queries, query_length, HEAD_DIM, BLOCK_D, REST_D, True)
+        acc_rest = tl.zeros((BLOCK_M, REST_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
 
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WINDOWED)
-    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, lo, full_lo,
-                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                             True, CAUSAL, WINDOWED, DOT_PRECISION, True)
-    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, full_lo, full_hi,
-                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                             False, CAUSAL, WINDOWED, DOT_PRECISION, True)
-    acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, full_hi, hi,
-                                             query_length, key_length, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                             True, CAUSAL, WINDOWED, DOT_PRECISION, True)
+    acc, acc_rest, row_sum, row_max = merge_key_blocks(
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, lo, full_lo, query_length, key_length, window,
+        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
+    acc, acc_rest, row_sum, row_max = merge_key_blocks(
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, full_lo, full_hi, query_length, key_length, window,
+        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION, True)
+    acc, acc_rest, row_sum, row_max = merge_key_blocks(
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, full_hi, hi, query_length, key_length, window,
+        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
     query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)
-    store_rows(Out, queries, query_length, acc * (1.0 / row_sum)[:, None], HEAD_DIM, BLOCK_D)
+    inverse_sum = (1.0 / row_sum)[:, None]
+    store_columns(Out, queries, query_length, acc * inverse_sum, HEAD_DIM, 0, BLOCK_D)
+    if REST_D > 0:
+        store_columns(Out, queries, query_length, acc_rest * inverse_sum, HEAD_DIM, BLOCK_D, REST_D)
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
@@ -212,12 +243,12 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         return out, lse
     if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
         return out.zero_(), lse.fill_(float("-inf"))
-    block_d = padded_head_dim(head_dim)
-    tile = forward_tile(block_d, q.dtype, windowed=causal and window > 0)
+    block_d, rest_d = head_dim_slices(head_dim)
+    tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
         launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, heads // k.shape[1],
-               window, *split_float(scale), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile.block_m,
+               window, *split_float(scale), HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, CAUSAL=causal,
                WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
                DOT_PRECISION=dot_input_precision(q.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)

@@ -8,6 +8,10 @@ so a head dim D runs on a tile BLOCK_D = ``padded_head_dim(D)`` wide: the tensor
 loads fill columns D … BLOCK_D − 1 with 0 (a zero column adds nothing to q·kᵀ, and p·v then gives zero
 there) and stores skip them. At a power of two BLOCK_D == D and the column mask compiles away.
 
+The forward goes one step further (``head_dim_slices``): 80 = 64 + 16 and 96 = 64 + 32 run as two
+column slices, each a power of two, so q·kᵀ is the sum of two products and p·v fills two accumulators.
+Padding 80 to 128 would spend 37.5 % of every matmul on zeros; two slices spend none.
+
 Grouped-query attention. k and v may have fewer heads than q (H a multiple of Hkv): a program of query
 head batch·H + h reads kv head batch·Hkv + h // group, which is simply (batch·H + h) // group.
 """
@@ -37,6 +41,16 @@ class AttentionTile(NamedTuple):
 def padded_head_dim(head_dim: int) -> int:
     """The tile width of a head dim: the next power of two, at least 16 (tl.dot's smallest k)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def head_dim_slices(head_dim: int) -> tuple[int, int]:
+    """The forward's column slices of a head dim: (main, rest), both powers of two (rest 0: one slice),
+    main + rest ≥ head_dim. Two slices where they are narrower than the padded tile: 80 → (64, 16),
+    96 → (64, 32), 160 → (128, 32); 112 → (128, 0), since 64 + 64 would be no narrower than 128."""
+    padded = padded_head_dim(head_dim)
+    main = max(16, triton.next_power_of_2(head_dim + 1) // 2)
+    rest = 0 if head_dim <= main else max(16, triton.next_power_of_2(head_dim - main))
+    return (main, rest) if 0 < rest and main + rest < padded else (padded, 0)
 
 
 def wide_float_tile(block_d: int) -> AttentionTile:
@@ -103,14 +117,22 @@ def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constex
     """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one (rows, BLOCK_D) tile; columns past
     HEAD_DIM read as 0. MASKED: rows past row_count read as 0; blocks known to lie inside skip the
     compare and, at a power-of-two head dim, load as plain 16-byte copies."""
-    columns = tl.arange(0, BLOCK_D)
+    return load_columns(Base, rows, row_count, HEAD_DIM, 0, BLOCK_D, MASKED)
+
+
+@triton.jit
+def load_columns(Base, rows, row_count, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Columns FIRST … FIRST + WIDTH − 1 of rows ``rows`` of a (row_count, HEAD_DIM) matrix, as
+    ``load_rows`` (which is the slice from column 0)."""
+    columns = FIRST + tl.arange(0, WIDTH)
     offsets = rows[:, None] * HEAD_DIM + columns[None, :]
     if MASKED:
         mask = (rows < row_count)[:, None]
-        if BLOCK_D != HEAD_DIM:
+        if FIRST + WIDTH > HEAD_DIM:
             mask = mask & (columns < HEAD_DIM)[None, :]
         tile = tl.load(Base + offsets, mask=mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
+    elif FIRST + WIDTH > HEAD_DIM:
         tile = tl.load(Base + offsets, mask=(columns < HEAD_DIM)[None, :], other=0.0)
     else:
         tile = tl.load(Base + offsets)
@@ -121,7 +143,13 @@ def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constex
 def store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Write a (rows, BLOCK_D) ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype;
     rows past row_count and columns past HEAD_DIM are skipped."""
-    columns = tl.arange(0, BLOCK_D)
+    store_columns(Base, rows, row_count, tile, HEAD_DIM, 0, BLOCK_D)
+
+
+@triton.jit
+def store_columns(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr):
+    """Write a (rows, WIDTH) ``tile`` to columns FIRST … FIRST + WIDTH − 1, as ``store_rows``."""
+    columns = FIRST + tl.arange(0, WIDTH)
     offsets = rows[:, None] * HEAD_DIM + columns[None, :]
     tl.store(Base + offsets, tile.to(Base.dtype.element_ty),
              mask=(rows < row_count)[:, None] & (columns < HEAD_DIM)[None, :])

@@ -159,19 +159,20 @@ def _attention_fwd_fused_kernel(Q, K, V, Out, query_length, key_length, scale_hi
     acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
+    # One column slice (REST_D = 0): acc and q also fill merge_key_blocks' unused second-slice arguments.
     if VERSION == 2:  # every key block, each one masked, plain exp
-        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, key_length,
-                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 True, True, False, DOT_PRECISION, False)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, 0, key_length,
+                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
+                                                    True, True, False, DOT_PRECISION, False)
     else:  # version 3: the blocks below the diagonal unmasked, then those straddling it; none past it
         _, _, diagonal, end = key_block_range(first_query, query_length, key_length, 0, BLOCK_M, BLOCK_N, True, False)
         scale = scale * LOG2E  # e^x = 2^(x·log2 e)
-        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, 0, diagonal,
-                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 False, True, False, DOT_PRECISION, True)
-        acc, row_sum, row_max = merge_key_blocks(acc, row_sum, row_max, q, K, V, queries, diagonal, end,
-                                                 query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                                 True, True, False, DOT_PRECISION, True)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, 0, diagonal,
+                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
+                                                    False, True, False, DOT_PRECISION, True)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, diagonal, end,
+                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
+                                                    True, True, False, DOT_PRECISION, True)
     store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, acc / row_sum[:, None], HEAD_DIM,
                BLOCK_D)
 
