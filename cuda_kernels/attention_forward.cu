@@ -12,6 +12,9 @@
 //       never leave registers
 //   float32 / float64 run attention_forward_simt_kernel (attention_simt.cuh), the same algorithm on
 //       FMA units
+//   On a Hopper GPU (compute capability 9.0, in a build with the sm_90a target) float16 / bfloat16 at
+//       head dims up to 128 run attention_forward_hopper_kernel instead (attention_forward_hopper.cu:
+//       wgmma, TMA, warp specialisation); the op cuda_kernels::use_hopper_attention(False) turns it off
 //
 // The one idea that makes it fast
 //   The seq x seq score matrix is never stored. A warp computes its 16 x 64 tile of S on the tensor
@@ -235,6 +238,7 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
 
 void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                               void* out, void* lse, void* stream) {
+  if (launch_attention_forward_hopper(dtype, shape, q, k, v, out, lse, stream)) return;
   const auto s = static_cast<cudaStream_t>(stream);
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);

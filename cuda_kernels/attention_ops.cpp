@@ -6,6 +6,8 @@
 //   attention_backward(grad_out, q, k, v, out, lse, causal, window, scale) -> (grad_q, grad_k, grad_v)
 //   decode_attention(q, k_new, v_new, k_cache!, v_cache!, key_lengths, window, scale) -> out  (inference only;
 //                    writes the new key and value into the caches)
+//   use_hopper_attention(enable) -> the previous setting  (whether the forward may take its Hopper kernel,
+//                    attention_forward_hopper.cu, where it applies; on by default)
 //
 // q is (B, H, Lq, D), k and v (B, Hkv, Lk, D) with H a multiple of Hkv (grouped-query attention: query
 // head h reads kv head h / (H / Hkv)); D a multiple of 8 up to 256; query i sits at key position i + Lk - Lq. lse, the log of
@@ -15,6 +17,8 @@
 //
 // Check
 //   python -m pytest tests -k "attention and cuda"
+#include <atomic>
+
 #include "binding.h"
 
 namespace kernel_ladder {
@@ -225,7 +229,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   return out;
 }
 
+// One process-wide switch, read by every launch, so that a benchmark or a lesson can time both forward
+// kernels on one Hopper GPU (cuda_kernels.ops.portable_attention()). A CPU-only build keeps it too: there
+// it only stores the flag.
+std::atomic<bool> hopper_attention{true};
+
+bool use_hopper_attention(bool enable) { return hopper_attention.exchange(enable); }
+
 }  // namespace
+
+bool hopper_attention_enabled() { return hopper_attention.load(std::memory_order_relaxed); }
+
 }  // namespace kernel_ladder
 
 TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
@@ -238,4 +252,8 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor key_lengths, int window, float scale) -> Tensor");
   kernel_ladder::impl_on_every_device<&kernel_ladder::decode_attention>(m, "decode_attention");
+  // No tensor argument, so no device to dispatch on: one kernel for every backend.
+  m.def("use_hopper_attention(bool enable) -> bool");
+  m.impl("use_hopper_attention", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                                 TORCH_FN(kernel_ladder::use_hopper_attention)));
 }

@@ -64,7 +64,7 @@ struct AdamWFactors {
 };
 
 // --- CUDA launchers (swish.cu, layer_norm.cu, layer_norm_backward.cu, softmax.cu, attention_forward.cu,
-// attention_backward.cu, feed_forward.cu, linear_cross_entropy.cu, adamw.cu) ---
+// attention_forward_hopper.cu, attention_backward.cu, feed_forward.cu, linear_cross_entropy.cu, adamw.cu) ---
 // They enqueue on `stream` and return without waiting.
 // The caller checks cudaGetLastError() afterwards. Every dtype of DType is supported.
 
@@ -122,6 +122,15 @@ void launch_softmax_backward(DType dtype, const void* grad_out, const void* y, v
 // every pointer is 16-byte aligned; every query sees at least one key.
 void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                               void* out, void* lse, void* stream);
+// The same forward on Hopper's wgmma and TMA (attention_forward_hopper.cu), which launch_attention_forward
+// tries first. Returns false, launching nothing, unless this build holds the kernel's sm_90a image, the
+// current GPU is compute capability 9.0, dtype is float16 or bfloat16, head_dim <= 128 and
+// hopper_attention_enabled().
+bool launch_attention_forward_hopper(DType dtype, const AttentionShape& shape, const void* q, const void* k,
+                                     const void* v, void* out, void* lse, void* stream);
+// The switch behind the op cuda_kernels::use_hopper_attention (attention_ops.cpp defines both): on unless
+// a caller turned it off, so that one process can time the mma.sync kernel on a Hopper GPU too.
+bool hopper_attention_enabled();
 // How much scratch the attention backward wants, in accumulator-type values (float; double for
 // float64): delta = rowsum(grad_out * out) per query, and for float16/bfloat16 a float32 dq
 // accumulator of batch_heads * query_length * head_dim values (kernels never allocate memory).

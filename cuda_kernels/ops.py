@@ -6,7 +6,9 @@
                                                      wrappers without the mean and the bias)
     softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
-                                                     attention_cpu.cpp, attention_ops.cpp)
+                                                     attention_cpu.cpp, attention_ops.cpp; on a Hopper
+                                                     GPU the forward runs attention_forward_hopper.cu,
+                                                     unless inside ``portable_attention()``)
     decode_attention(q, k_new, v_new,         -> o  (attention_decode.cu, attention_cpu.cpp, attention_ops.cpp:
                      k_cache, v_cache,               one new token per sequence appended to a static KV
                      key_lengths, window, scale)     cache and attended)
@@ -36,6 +38,7 @@ is found; otherwise the extension holds the CPU kernels alone, and CUDA tensors 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -65,7 +68,8 @@ _CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapp
 # No --use_fast_math: it would also flush float32 denormals to zero and make every float32 division and
 # sqrt approximate. The kernels call the fast intrinsics (__expf, __fdividef) by name, where they are
 # accurate enough (swish.cu says why).
-# The target architecture comes from PyTorch (TORCH_CUDA_ARCH_LIST, else the visible GPUs).
+# The target architectures come from PyTorch (TORCH_CUDA_ARCH_LIST, else the visible GPUs), except on a
+# Hopper GPU: see _cuda_arch_flags.
 _NVCC_FLAGS = ["-O3", "-std=c++17"]
 _LINK_FLAGS = ["-fopenmp"]
 
@@ -82,6 +86,30 @@ def _why_no_cuda() -> str | None:
         return (f"nvcc was not found: install the CUDA toolkit {torch.version.cuda} (the version this PyTorch "
                 f"was built with) and set CUDA_HOME")
     return None
+
+
+def _cuda_arch_flags() -> list[str]:
+    """nvcc's target flags: ``-gencode=arch=compute_90a,code=sm_90a -DKERNEL_LADDER_SM90A`` for a visible
+    Hopper GPU (compute capability 9.0), so that attention_forward_hopper.cu gets its wgmma/TMA kernel,
+    and one ``-gencode`` for each other visible GPU.
+
+    wgmma, setmaxnreg and the TMA instructions exist only in the "arch-specific" sm_90a target, which
+    PyTorch chooses only when TORCH_CUDA_ARCH_LIST says "9.0a". Once any flag of ours names an arch,
+    cpp_extension adds none of its own, so every visible GPU's arch is listed here. (The ``-gencode``
+    form, not ``-arch=sm_90a``: with nvcc 13.0 the shorthand also ran a plain sm_90 pass that rejects
+    wgmma.) A TORCH_CUDA_ARCH_LIST set by the user is left in charge; the define follows its "9.0a".
+    Empty when no visible GPU is a Hopper: PyTorch's own choice stands."""
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if requested:
+        return ["-DKERNEL_LADDER_SM90A"] if "9.0a" in requested else []
+    capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    if (9, 0) not in capabilities:
+        return []
+    flags = ["-DKERNEL_LADDER_SM90A"]
+    for major, minor in capabilities:
+        arch = f"{major}{minor}a" if (major, minor) == (9, 0) else f"{major}{minor}"
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
 
 
 def _cxx_compiler_for_the_extension() -> tuple[str, str | None]:
@@ -155,7 +183,7 @@ def _build() -> str | None:
             name=name,
             sources=[str(s) for s in _CPU_SOURCES + (() if why_no_cuda else _CUDA_SOURCES)],
             extra_cflags=_CXX_FLAGS + ([] if why_no_cuda else ["-DKERNEL_LADDER_WITH_CUDA"]),
-            extra_cuda_cflags=_NVCC_FLAGS,
+            extra_cuda_cflags=_NVCC_FLAGS + ([] if why_no_cuda else _cuda_arch_flags()),
             extra_ldflags=_LINK_FLAGS,
             with_cuda=why_no_cuda is None,
             is_python_module=False,  # the library registers torch.ops.cuda_kernels; no Python module inside
@@ -210,6 +238,7 @@ _rms_norm_forward = _ops.rms_norm_forward.default
 _softmax_forward = _ops.softmax_forward.default
 _attention_forward = _ops.attention_forward.default
 _decode_attention = _ops.decode_attention.default
+_use_hopper_attention = _ops.use_hopper_attention.default
 _linear_forward = _ops.linear_forward.default
 _feed_forward_forward = _ops.feed_forward_forward.default
 _linear_cross_entropy_forward = _ops.linear_cross_entropy_forward.default
@@ -249,6 +278,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     attention), D a multiple of 8 up to 256, by our kernels, differentiable (``window`` 0: none); returns
     only the output (the saved lse stays inside the autograd graph)."""
     return _attention_forward(q, k, v, causal, window, scale)[0]
+
+
+@contextlib.contextmanager
+def portable_attention():
+    """Inside this block, level 5's attention forward runs its portable mma.sync kernel also on a Hopper
+    GPU, whose default is the wgmma/TMA kernel (attention_forward_hopper.cu), so that one process can
+    time or check both. The switch is process-wide (every thread, every stream); the previous setting
+    comes back on exit. Elsewhere there is only one kernel, and this changes nothing."""
+    previous = _use_hopper_attention(False)
+    try:
+        yield
+    finally:
+        _use_hopper_attention(previous)
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
@@ -299,4 +341,4 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
 
 
 __all__ = ["adamw_step", "attention", "decode_attention", "feed_forward", "layer_norm", "linear",
-           "linear_cross_entropy", "rms_norm", "softmax", "swish", "swish_version"]
+           "linear_cross_entropy", "portable_attention", "rms_norm", "softmax", "swish", "swish_version"]

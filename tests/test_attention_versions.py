@@ -1,5 +1,6 @@
 """The climb to level 4's attention forward (triton_kernels/attention_versions.py): every version is
-causal attention, within tolerance of level 1's float64 run, and says clearly what it cannot do."""
+causal attention, within tolerance of level 1's float64 run, and says clearly what it cannot do. And
+level 5's two 16-bit forward kernels, the portable mma.sync one and Hopper's wgmma/TMA one, side by side."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import levels
-from levels.attention import AttentionTritonVersion, attention_triton_versions
+from levels.attention import AttentionTritonVersion, attention_triton_versions, visible_keys_mask
 
 from .conftest import HAS_CUDA
 
@@ -84,3 +85,102 @@ def test_compare_optimization_levels_times_the_versions_side_by_side():
                                         device=DEVICE, budget_s=0.01, progress=False)
     assert table["level"].tolist() == list(attention_triton_versions())
     assert bool(table["within_tolerance"].all())
+
+
+# --- level 5: the portable forward kernel and Hopper's ------------------------------------------------------
+
+# (config, q's (batch, heads, seq), k's and v's): sequences that are multiples of no tile (300 keys: two
+# whole 128-key tiles and a ragged one), a sequence long enough that every stage of a 2-stage ring is
+# refilled several times, queries shorter than keys (77: the second 64 queries of the 128-query block are
+# mostly padding; 130: two queries in a second block, whose second 64 are all padding), a window, and
+# grouped-query attention.
+LEVEL_5_CASES = [
+    ({"causal": False, "window": 0}, (2, 3, 300), (2, 3, 300)),
+    ({"causal": True, "window": 0}, (2, 3, 300), (2, 3, 300)),
+    ({"causal": True, "window": 0}, (1, 2, 1000), (1, 2, 1000)),
+    ({"causal": True, "window": 100}, (1, 2, 300), (1, 2, 300)),
+    ({"causal": True, "window": 0}, (1, 2, 77), (1, 2, 300)),
+    ({"causal": False, "window": 0}, (1, 2, 130), (1, 2, 300)),
+    ({"causal": True, "window": 0}, (1, 4, 200), (1, 2, 200)),
+]
+
+
+def float64_attention_and_lse(q, k, v, causal, window, scale):
+    """Level 1's output in float64, and the log-sum-exp of each query's visible scaled scores beside it."""
+    reference = levels.float64_reference(levels.build("attention", "native", causal=causal, window=window or None,
+                                                      scale=scale))
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, dim=1).transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(~visible_keys_mask(q.shape[2], k.shape[2], window, q.device), float("-inf"))
+    return reference(q, k, v), torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_both_level_5_cuda_forward_kernels_match_float64_reference(head_dim, dtype):
+    """On a Hopper GPU the default is the wgmma/TMA kernel and portable_attention() the mma.sync one; on
+    any other GPU both are the mma.sync kernel. Out and lse, every case, both ways."""
+    from cuda_kernels.ops import portable_attention
+
+    forward = torch.ops.cuda_kernels.attention_forward.default
+    scale = head_dim ** -0.5
+    for config, query_shape, key_shape in LEVEL_5_CASES:
+        q = torch.randn(*query_shape, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(*key_shape, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        expected_out, expected_lse = float64_attention_and_lse(q, k, v, config["causal"], config["window"], scale)
+        with portable_attention():
+            portable = forward(q, k, v, config["causal"], config["window"], scale)
+        default = forward(q, k, v, config["causal"], config["window"], scale)
+        for kernel, (out, lse) in {"portable": portable, "default": default}.items():
+            case = f"{kernel} kernel, {config}, q {query_shape}, k {key_shape}"
+            assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()), case
+            assert levels.relative_max_error(out, expected_out) <= levels.TOLERANCE[dtype], case
+            assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], case
+
+
+def cuda_kernel_names(function) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        function()
+        torch.cuda.synchronize()
+    return {event.key for event in profiler.key_averages()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (compute capability 9.0)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_hopper_gpu_runs_the_hopper_kernel_unless_told_not_to(dtype):
+    """The build added the sm_90a target (cuda_kernels/ops.py), and the launcher took it."""
+    from cuda_kernels.ops import portable_attention
+
+    q = torch.randn(1, 2, 200, 128, dtype=dtype, device="cuda")
+
+    def call():
+        torch.ops.cuda_kernels.attention_forward(q, q, q, True, 0, 0.125)
+
+    assert any("attention_forward_hopper_kernel" in name for name in cuda_kernel_names(call))
+    with portable_attention():
+        names = cuda_kernel_names(call)
+    assert not any("hopper" in name for name in names)
+    assert any("attention_forward_tensor_core_kernel" in name for name in names)
+
+
+def test_use_hopper_attention_returns_the_previous_setting():
+    from cuda_kernels.ops import portable_attention
+
+    switch = torch.ops.cuda_kernels.use_hopper_attention.default
+    original = switch(True)
+    try:
+        assert switch(False) is True
+        assert switch(False) is False
+        assert switch(True) is False
+        with portable_attention():
+            assert switch(False) is False  # off inside the block
+        assert switch(True) is True  # and on again after it
+    finally:
+        switch(original)

@@ -205,6 +205,24 @@ def test_a_compiler_that_does_not_link_the_shared_cxx_runtime_is_not_used(wrappe
     assert ops._cxx_compiler_for_the_extension() == ("c++", None)
 
 
+def test_a_hopper_gpu_gets_the_sm_90a_target_and_every_other_gpu_its_own(monkeypatch):
+    # wgmma and TMA exist only in sm_90a; once we name one arch, PyTorch names none, so we name them all.
+    from cuda_kernels import ops
+
+    capabilities = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
+    assert ops._cuda_arch_flags() == ["-DKERNEL_LADDER_SM90A", "-gencode=arch=compute_80,code=sm_80",
+                                      "-gencode=arch=compute_90a,code=sm_90a"]
+    capabilities[0] = (8, 6)
+    assert ops._cuda_arch_flags() == []  # no Hopper GPU: PyTorch's own choice
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")  # the user's list stays in charge
+    assert ops._cuda_arch_flags() == ["-DKERNEL_LADDER_SM90A"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert ops._cuda_arch_flags() == []
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_version_of_the_level_5_swish_matches_float64_reference(dtype):

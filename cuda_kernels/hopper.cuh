@@ -1,0 +1,283 @@
+// The Hopper (sm_90a) building blocks of the flash-attention kernels (attention_forward_hopper.cu):
+// TMA bulk copies, the mbarriers that say when a copy has landed or a buffer is free, warpgroup register
+// reallocation and named barriers, and wgmma, the warpgroup-wide matrix product that reads its operands
+// from shared memory. tensor_core.cuh is the same for mma.sync (sm_80+).
+//
+// What changes from mma.sync (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate")
+//   - One instruction per warpgroup (4 warps, 128 threads): m64nNk16, a 64 x 16 by 16 x N product. Warp w
+//     of the warpgroup holds rows 16w..16w+15 of the accumulator in exactly mma.sync m16n8's C layout, N / 8
+//     of them side by side (register 4j + {0,1}: row lane / 4, columns 8j + 2(lane % 4) + {0,1}; 4j + {2,3}:
+//     row lane / 4 + 8), so the quad-shuffle row reductions and a_fragment_from_accumulators carry over.
+//   - The operands are read by the tensor cores straight from shared memory, each described by a 64-bit
+//     descriptor (A may come from registers instead, in mma.sync's A-fragment layout): no ldmatrix, and no
+//     registers spent on B.
+//   - It is asynchronous: issue, commit a group, keep computing, wait for the group. Registers an in-flight
+//     wgmma reads or writes must not be touched until the wait, and the compiler must be told so
+//     (fence_registers), since to it an asm statement's outputs exist as soon as it has run.
+//
+// Shared-memory layout: 128-byte swizzle. TMA writes a box of rows of 64 16-bit values (128 bytes), and
+// XORs each 16-byte chunk's index within its row with the row's index mod 8 (address bits 4-6 ^= bits 7-9),
+// so the 8 rows of one 16-byte column sit in 8 different groups of 4 banks: reading or writing a column
+// of rows is conflict-free. wgmma's "128-byte swizzle" descriptors describe the same layout. The swizzle is
+// computed from the address, so every 8-row atom (1024 bytes) must start 1024-byte aligned. A tile wider
+// than 64 columns is several such boxes, one after the other.
+//
+// Everything here is sm_90a-only PTX: it exists only in a device pass for compute_90a (nvcc defines
+// __CUDA_ARCH_FEAT_SM90_ALL there), so the same .cu files also compile for sm_80 and plain sm_90.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only: the kernels need no libcuda symbol)
+
+#include "common.cuh"
+
+namespace kernel_ladder {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// --- mbarrier: a shared-memory barrier that counts arrivals and, for TMA, bytes ---------------------------
+// A phase completes when `arrivals` threads have arrived and every byte announced by expect_bytes has
+// landed; then the next phase begins. Waiters name a phase by its parity, so the n-th fill of a ring
+// buffer's stage is waited for as parity n % 2.
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+}
+
+// The barriers' initial state must be visible to the TMA unit (another proxy) before the first copy
+// names them; a __syncthreads after this makes it visible to the other threads.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` more bytes that TMA will deliver to this phase.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory");
+}
+
+// Spins until the phase of parity `parity` has completed. (try_wait suspends the thread for a while in
+// hardware before it answers no, so the loop does not hammer shared memory.) A freshly initialised barrier
+// counts its phase "-1" (parity 1) as complete: a producer waiting for parity 1 on an empty-slot barrier
+// passes at once, before any consumer has released anything.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred complete;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, complete;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(parity)
+        : "memory");
+  }
+}
+
+// --- TMA (the Tensor Memory Accelerator): one thread moves a whole box ------------------------------------
+// The box's shape, the tensor's sizes and strides and the swizzle live in a CUtensorMap built on the host
+// (cuTensorMapEncodeTiled). Elements outside the tensor are zero-filled on loads and skipped on stores:
+// ragged lengths and head dims narrower than the box need no padding in memory and no bounds checks here.
+
+// The 3-D box at (column, row, matrix) into shared memory; its bytes count toward `barrier`'s phase.
+__device__ __forceinline__ void tma_load_3d(void* shared, const CUtensorMap* map, int column, int row, int matrix,
+                                            uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      :
+      : "r"(shared_address(shared)), "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(matrix),
+        "r"(shared_address(barrier))
+      : "memory");
+}
+
+// The 3-D box at (column, row, matrix) from shared memory to global memory, as one bulk group.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* shared, int column, int row,
+                                             int matrix) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               :
+               : "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(shared)), "r"(column), "r"(row),
+                 "r"(matrix)
+               : "memory");
+}
+
+// Closes this thread's bulk stores into a group and waits until they have read their shared memory (the
+// CTA may then exit: the writes to global memory complete on their own).
+__device__ __forceinline__ void tma_store_wait_for_reads() {
+  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Ordinary stores to shared memory and TMA's reads of it are different proxies: a thread's stores must
+// be fenced before a TMA store (issued by another thread, after a barrier) may read them.
+__device__ __forceinline__ void fence_shared_for_tma() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Fetches a tensor map (kernel parameter memory) into the TMA unit's cache ahead of its first use.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// --- warpgroups: registers and named barriers ------------------------------------------------------------
+// A warp-specialised kernel launches every thread with the same register count; setmaxnreg then hands a
+// warpgroup's registers back to the SM's pool (dec) or takes more from it (inc, waiting until the pool has
+// them). Every warp of the warpgroup executes it. ptxas gives each side of the branch that holds it its
+// own register budget only if the two sit in one if/else (else it ignores them: warning C7508).
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// Barriers 1..15 of the CTA (0 is __syncthreads) among `threads` threads: bar.sync waits for them,
+// bar.arrive counts itself in and goes on, so one warpgroup can signal another without waiting.
+__device__ __forceinline__ void named_barrier_sync(int barrier, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(barrier), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int barrier, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(barrier), "r"(threads) : "memory");
+}
+
+// --- wgmma ----------------------------------------------------------------------------------------------
+
+// Orders this warpgroup's register writes before the wgmmas issued after it (required before the first
+// wgmma that reads an accumulator or A fragment some other instruction has written).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// Closes the wgmmas issued since the last commit into one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Waits until at most kPending of this warpgroup's committed groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// An empty asm that claims to read and rewrite each register: the compiler may move no read or write of
+// them across it. After a wgmma_wait it makes later code read what the tensor cores wrote (not a copy
+// hoisted above the wait); before a wgmma_fence it makes every earlier write to them land before the fence.
+template <int kRows>
+__device__ __forceinline__ void fence_registers(float (&registers)[kRows][4]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(registers[i][j])::"memory");
+  }
+}
+
+template <int kRows>
+__device__ __forceinline__ void fence_registers(uint32_t (&registers)[kRows][4]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(registers[i][j])::"memory");
+  }
+}
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4,
+// 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 base offset
+// (0: every swizzle atom starts 1024-byte aligned), 62-63 swizzle mode (1: 128-byte).
+__device__ __forceinline__ uint64_t swizzle_128b_descriptor(uint32_t address, uint32_t leading_bytes,
+                                                            uint32_t stride_bytes) {
+  return uint64_t{1} << 62 | uint64_t{stride_bytes >> 4} << 32 | uint64_t{leading_bytes >> 4} << 16 | address >> 4;
+}
+
+// An operand stored K-major (its M or N rows each hold k contiguously: q and K for q k^T), as TMA writes a
+// 64-column box: 8-row atoms 1024 bytes apart (the stride offset). One k16 step reads 32 bytes of each row,
+// so step s of a box starts `address + 32 s` (the hardware swizzles from the address bits); the leading
+// offset is unused when the step lies inside one swizzled row, and is 1 (16 bytes) by convention.
+__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t address) {
+  return swizzle_128b_descriptor(address, 16, 1024);
+}
+
+// An operand stored MN-major (k runs down the rows and N along them: V, keys x head dims, for P V): a k16
+// step is 16 rows, two 8-row atoms 1024 bytes apart (the stride offset), and N runs on past 64 columns into
+// the next box, box_bytes further (the leading offset). Step s starts `address + 16 rows * 128 bytes * s`.
+__device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32_t box_bytes) {
+  return swizzle_128b_descriptor(address, box_bytes, 1024);
+}
+
+// The instruction's operand lists, written out once: {%0, ..., %31} or {%0, ..., %63} name the accumulator
+// registers, which the asm statements list first, four per n8 block of columns.
+#define KERNEL_LADDER_D32                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define KERNEL_LADDER_D64                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define KERNEL_LADDER_C4(c, n) "+f"(c[n][0]), "+f"(c[n][1]), "+f"(c[n][2]), "+f"(c[n][3])
+#define KERNEL_LADDER_C32(c)                                                                                     \
+  KERNEL_LADDER_C4(c, 0), KERNEL_LADDER_C4(c, 1), KERNEL_LADDER_C4(c, 2), KERNEL_LADDER_C4(c, 3),               \
+      KERNEL_LADDER_C4(c, 4), KERNEL_LADDER_C4(c, 5), KERNEL_LADDER_C4(c, 6), KERNEL_LADDER_C4(c, 7)
+#define KERNEL_LADDER_C64(c)                                                                                     \
+  KERNEL_LADDER_C32(c), KERNEL_LADDER_C4(c, 8), KERNEL_LADDER_C4(c, 9), KERNEL_LADDER_C4(c, 10),                 \
+      KERNEL_LADDER_C4(c, 11), KERNEL_LADDER_C4(c, 12), KERNEL_LADDER_C4(c, 13), KERNEL_LADDER_C4(c, 14),         \
+      KERNEL_LADDER_C4(c, 15)
+
+// c (64 x 128, float) = a b^T, or += with `accumulate`: a (64 x 16) and b (128 x 16) in shared memory,
+// both K-major (descriptors). The trailing immediates: scale a and b by 1, neither transposed.
+#define KERNEL_LADDER_WGMMA_64x128_SHARED(TYPE)                                                                 \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " KERNEL_LADDER_D64              \
+               ", %64, %65, accumulate, 1, 1, 0, 0;\n}\n"                                                      \
+               : KERNEL_LADDER_C64(c)                                                                           \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_64x128x16(float (&c)[16][4], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
+  if constexpr (std::is_same_v<T, __half>) {
+    KERNEL_LADDER_WGMMA_64x128_SHARED("f16");
+  } else {
+    KERNEL_LADDER_WGMMA_64x128_SHARED("bf16");
+  }
+}
+
+// c (64 x kN, float) += a b: a (64 x 16) in registers, each warp's 16 rows an mma.sync A fragment; b
+// (16 x kN) in shared memory, MN-major (the trailing 1: "transposed" relative to K-major). A, B and SCALE
+// are the operand numbers of a's four registers, b's descriptor and the accumulate flag (always 1 here).
+#define KERNEL_LADDER_WGMMA_64xN_REGISTERS(TYPE, N, D, C, A, B, SCALE)                                         \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " SCALE ", 0;\n"                           \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " " D ", " A ", " B            \
+               ", accumulate, 1, 1, 1;\n}\n"                                                                  \
+               : C(c)                                                                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
+
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_64xNx16_from_registers(float (&c)[kN / 8][4], const uint32_t (&a)[4],
+                                                             uint64_t b) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
+  static_assert(kN == 64 || kN == 128, "instantiated for N = 64 and 128");
+  if constexpr (kN == 64 && std::is_same_v<T, __half>) {
+    KERNEL_LADDER_WGMMA_64xN_REGISTERS("f16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "{%32, %33, %34, %35}",
+                                       "%36", "%37");
+  } else if constexpr (kN == 64) {
+    KERNEL_LADDER_WGMMA_64xN_REGISTERS("bf16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "{%32, %33, %34, %35}",
+                                       "%36", "%37");
+  } else if constexpr (std::is_same_v<T, __half>) {
+    KERNEL_LADDER_WGMMA_64xN_REGISTERS("f16", "128", KERNEL_LADDER_D64, KERNEL_LADDER_C64, "{%64, %65, %66, %67}",
+                                       "%68", "%69");
+  } else {
+    KERNEL_LADDER_WGMMA_64xN_REGISTERS("bf16", "128", KERNEL_LADDER_D64, KERNEL_LADDER_C64, "{%64, %65, %66, %67}",
+                                       "%68", "%69");
+  }
+}
+
+#undef KERNEL_LADDER_WGMMA_64xN_REGISTERS
+#undef KERNEL_LADDER_WGMMA_64x128_SHARED
+#undef KERNEL_LADDER_C64
+#undef KERNEL_LADDER_C32
+#undef KERNEL_LADDER_C4
+#undef KERNEL_LADDER_D64
+#undef KERNEL_LADDER_D32
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace kernel_ladder
