@@ -15,6 +15,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part sweep     --out profiling/results/h100   # row lengths, forward
     python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
     python -m profiling.gpu_suite --part versions  --out profiling/results/h100   # the climb to a kernel
+    python -m profiling.gpu_suite --part hopper    --out profiling/results/h100   # attention vs sequence length
     python -m profiling.gpu_suite --part distributed --out profiling/results/h200x2  # DDP and FSDP, every GPU
 
 Without --part every part runs in turn. Each part writes, under --out:
@@ -31,6 +32,9 @@ Without --part every part runs in turn. Each part writes, under --out:
                              4,194,304 elements at 2^26 elements each point (profiling.sweep);
     softmax-long-rows.csv    sweep: softmax on 4096 × 262,144 float32
     versions.csv             versions: each version of a kernel the lessons show growing, side by side
+    hopper-attention.csv/.png  hopper: causal attention TFLOP/s over sequence lengths 512 … 16384 at head
+                             dims 64 and 128, level 5's mma.sync and sm_90a kernels beside level 4 and
+                             SDPA's cuDNN and flash (profiling.hopper; its --ncu adds hopper-ncu.csv)
     distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on all of them
                              (profiling.distributed under torchrun; the machine needs 2 or more GPUs)
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
@@ -67,6 +71,7 @@ from tqdm.auto import tqdm
 
 from levels.spec import LEVEL_TITLES
 
+from . import hopper
 from .cli import save_plots
 from .compare import compare_optimization_levels
 from .language_model import format_throughput, generation_throughput, training_throughput
@@ -653,7 +658,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
 
 
 PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation",
-         "overhead", "sweep", "sweep-backward", "versions", "distributed")
+         "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
 
@@ -665,7 +670,8 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=PARTS, action="append",
                         help="run this part (repeatable; default: every part in turn)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds of timing per row (default 1; the sweeps 0.1, their 9 points × 7 rows a table)")
+                        help="seconds of timing per row (default 1; the sweeps 0.1, their 9 points × 7 rows a table; "
+                             f"hopper {hopper.BUDGET_S:g} per point)")
     parser.add_argument("--only", default="", help="run only the benchmarks (overhead: the decode cases) whose name "
                         "contains one of these comma-separated texts")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -705,6 +711,9 @@ def main(argv=None) -> int:
             continue
         if part == "versions":
             run_version_benchmarks(device, out, budget_s, arguments.only)
+            continue
+        if part == "hopper":
+            hopper.write_sequence_sweep(device, out, hopper.BUDGET_S if arguments.budget is None else arguments.budget)
             continue
         if part == "distributed":
             print(run_distributed(device, out, arguments.only), flush=True)

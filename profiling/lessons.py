@@ -92,9 +92,11 @@ def inductor_kernels(module_source: str) -> dict[str, str]:
 
 
 def source_lines(function, first: str, stop: str | None = None) -> str:
-    """The lines of ``function``'s source (a @triton.jit kernel's Python too) from the one holding
-    ``first`` up to, not including, the next one holding ``stop``; to the end without ``stop``."""
-    lines = inspect.getsource(getattr(function, "fn", function)).splitlines()
+    """The lines of ``function``'s source (a @triton.jit kernel's Python too, or source text such as a
+    CUDA kernel from ``cuda_kernel_sources``) from the one holding ``first`` up to, not including, the
+    next one holding ``stop``; to the end without ``stop``."""
+    source = function if isinstance(function, str) else inspect.getsource(getattr(function, "fn", function))
+    lines = source.splitlines()
     start = next(i for i, line in enumerate(lines) if first in line)
     end = len(lines) if stop is None else next(i for i in range(start + 1, len(lines)) if stop in lines[i])
     return "\n".join(lines[start:end])

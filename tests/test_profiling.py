@@ -320,11 +320,13 @@ def test_source_lines_cuts_a_function_from_one_marker_to_the_next_or_to_its_end(
     from profiling.lessons import source_lines
     from triton_kernels.attention_forward import merge_key_blocks
 
-    assert source_lines(source_lines, "lines = inspect", "start = next").strip().startswith("lines = inspect")
-    assert "start = next" not in source_lines(source_lines, "lines = inspect", "start = next")
+    own_lines = source_lines(source_lines, "lines = source.splitlines", "start = next")
+    assert own_lines.strip().startswith("lines = source.splitlines") and "start = next" not in own_lines
     assert source_lines(source_lines, "end = len").strip().endswith('return "\\n".join(lines[start:end])')
     kernel_lines = source_lines(merge_key_blocks, "if EXP2", "row_sum = row_sum * rescale")  # a @triton.jit's Python
     assert kernel_lines.strip().startswith("if EXP2") and "tl.exp(row_max - shift)" in kernel_lines
+    cuda_text = "__global__ void k() {\n  load();\n  for (;;) {\n    mma();\n  }\n  store();\n}"  # source as text
+    assert source_lines(cuda_text, "for (;;)", "store();") == "  for (;;) {\n    mma();\n  }"
 
 
 def test_the_layer_norm_host_path_is_timed_piece_by_piece():
@@ -335,3 +337,65 @@ def test_the_layer_norm_host_path_is_timed_piece_by_piece():
     assert names[:3] == ["4 Triton: forward with grad on", "4 Triton: forward + .backward()",
                          "1 native PyTorch: forward + .backward()"]
     assert len(names) == 8 and all(math.isfinite(us) and us > 0 for _, us in rows)
+
+
+def test_the_hopper_sweep_keeps_the_tokens_and_the_model_width_of_every_point():
+    from profiling.hopper import causal_flops, sequence_sweep_points
+
+    points = sequence_sweep_points()
+    assert [(seq, head_dim) for seq, _, _, head_dim in points] == [
+        (seq, head_dim) for head_dim in (64, 128) for seq in (512, 1024, 2048, 4096, 8192, 16384)]
+    assert all(seq * batch == 16384 and heads * head_dim == 2048 for seq, batch, heads, head_dim in points)
+    assert points[0] == (512, 32, 32, 64) and points[-1] == (16384, 1, 16, 128)
+    # FlashAttention-3's causal count: half of full attention's two matmuls.
+    assert causal_flops(1, 1, 4, 8) == 4 * 4 * 4 * 8 // 2
+    with pytest.raises(ValueError, match="sequence length 3000, head dim 96"):
+        sequence_sweep_points(sequence_lengths=(1024, 3000), head_dims=(64, 96))
+
+
+# What `ncu --csv --print-units base --print-metric-name name --metrics ...` prints: its progress lines,
+# then the details page, one line per launch and metric, values with thousands separators.
+NCU_OUTPUT = """==PROF== Connected to process 4242 (/usr/bin/python3.11)
+==PROF== Profiling "attention_forward_tensor_core_kernel": 0%....50%....100% - 9 passes
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.11","127.0.0.1","void kernel_ladder::attention_forward_tensor_core_kernel<__nv_bfloat16, 128, 4>(kernel_ladder::AttentionShape, const T1 *, const T1 *, const T1 *, T1 *, float *)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,234,567"
+"0","4242","python3.11","127.0.0.1","void kernel_ladder::attention_forward_tensor_core_kernel<__nv_bfloat16, 128, 4>(kernel_ladder::AttentionShape, const T1 *, const T1 *, const T1 *, T1 *, float *)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","launch__registers_per_thread","register/thread","230"
+"0","4242","python3.11","127.0.0.1","void kernel_ladder::attention_forward_tensor_core_kernel<__nv_bfloat16, 128, 4>(kernel_ladder::AttentionShape, const T1 *, const T1 *, const T1 *, T1 *, float *)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","sm__inst_issued.avg.pct_of_peak_sustained_active","%","1,234.56"
+"0","4242","python3.11","127.0.0.1","void kernel_ladder::attention_forward_tensor_core_kernel<__nv_bfloat16, 128, 4>(kernel_ladder::AttentionShape, const T1 *, const T1 *, const T1 *, T1 *, float *)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio","","n/a"
+"""
+
+
+def test_ncu_csv_becomes_one_row_per_launch_and_one_float_column_per_metric():
+    from profiling.hopper import parse_ncu_csv
+
+    launches = parse_ncu_csv(NCU_OUTPUT)
+    assert list(launches.columns) == ["kernel", "gpu__time_duration.sum", "launch__registers_per_thread",
+                                      "sm__inst_issued.avg.pct_of_peak_sustained_active",
+                                      "smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio"]
+    launch = launches.iloc[0]
+    assert len(launches) == 1 and launch["kernel"].startswith("void kernel_ladder::attention_forward_tensor_core_kernel<")
+    assert launch["gpu__time_duration.sum"] == 1234567.0 and launch["launch__registers_per_thread"] == 230.0
+    assert launch["sm__inst_issued.avg.pct_of_peak_sustained_active"] == pytest.approx(1234.56)
+    assert math.isnan(launch["smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio"])
+    # A second launch (ID 1) is a second row; the same metric of each stays with its own launch.
+    second = NCU_OUTPUT.replace('"0","4242"', '"1","4242"').replace("1,234,567", "2,000")
+    both = parse_ncu_csv(NCU_OUTPUT + "\n".join(second.splitlines()[4:]))
+    assert list(both["gpu__time_duration.sum"]) == [1234567.0, 2000.0]
+
+
+def test_an_ncu_run_without_counters_records_why_instead_of_failing():
+    from profiling.hopper import format_ncu, ncu_result
+
+    denied = ("==PROF== Connected to process 4242 (/usr/bin/python3.11)\n"
+              "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance "
+              "Counters on the target device 0.\n==PROF== Disconnected from process 4242\n")
+    row = ncu_result("portable", denied, 0)
+    assert row["status"].startswith("==ERROR== ERR_NVGPUCTRPERM") and row["kernel"] is None
+    assert ncu_result("hopper", "", 1)["status"] == "ncu exited with 1 and profiled 0 launches, not 1"
+    crashed = ncu_result("hopper", "Traceback (most recent call last):\nRuntimeError: no kernel image\n", 1)
+    assert crashed["status"].endswith("not 1; its last line: RuntimeError: no kernel image")
+    profiled = ncu_result("hopper", NCU_OUTPUT, 0)
+    assert profiled["status"] == "ok" and profiled["launch__registers_per_thread"] == 230.0
+    table = format_ncu(pd.DataFrame([profiled, row]))
+    assert "registers per thread" in table and "230" in table and "ERR_NVGPUCTRPERM" in table
