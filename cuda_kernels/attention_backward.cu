@@ -8,6 +8,9 @@
 //
 // Kernels, in the order they run
 //   attention_backward_delta_kernel            delta, one row per thread group, 16-byte loads
+//                                              (attention_backward.cuh, shared with the Hopper kernel;
+//                                              on a Hopper GPU launch_attention_backward first tries
+//                                              attention_backward_hopper.cu)
 //   float16 / bfloat16 (tensor cores, FlashAttention-2's plan on mma.sync):
 //     attention_backward_tensor_core_kernel    a CTA owns 16 keys per warp (per two warps past tile
 //                                              width 128, see BackwardWarps) of one kv head; its K and
@@ -22,6 +25,7 @@
 //                                              shared memory for dq += dS k, which it adds to a
 //                                              float32 buffer with atomics (vector red.add)
 //     attention_backward_dq_kernel             grad_q = scale * that buffer, rounded to the dtype
+//                                              (attention_backward.cuh)
 //   float32 / float64: attention_backward_dq_simt_kernel and attention_backward_dk_dv_simt_kernel
 //     (attention_simt.cuh), the same math in two deterministic passes
 //
@@ -43,48 +47,12 @@
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_backward.cu -o /tmp/attention_backward.o
 //   python -m pytest tests -k "attention and cuda"
-#include "attention_mask.h"
+#include "attention_backward.cuh"
 #include "attention_simt.cuh"
-#include "tensor_core.cuh"
 
 namespace kernel_ladder {
 
-// --- delta = rowsum(dout * out) ------------------------------------------------------------------
-
-// A row of d <= kD values is d / kVec 16-byte packs, read by a power of two of threads, up to 16 (each
-// summing the rest).
-template <typename T, int kD>
-struct DeltaRows {
-  static constexpr int kPacks = kD / kVecOf<T>;
-  static constexpr int kThreadsPerRow = kPacks >= 16 ? 16 : kPacks >= 8 ? 8 : kPacks >= 4 ? 4 : kPacks >= 2 ? 2 : 1;
-  static constexpr int kThreads = 256;
-  static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
-};
-
-template <typename T, int kD>
-__global__ void __launch_bounds__(DeltaRows<T, kD>::kThreads)
-attention_backward_delta_kernel(const T* __restrict__ grad_out, const T* __restrict__ out, Acc<T>* __restrict__ delta,
-                                int64_t rows, int d) {
-  using Rows = DeltaRows<T, kD>;
-  constexpr int kVec = kVecOf<T>;
-  const int64_t row = int64_t{blockIdx.x} * Rows::kRowsPerBlock + threadIdx.x / Rows::kThreadsPerRow;
-  const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
-  Acc<T> sum = 0;
-  if (row < rows) {  // no early return: the whole warp takes part in the shuffles below
-#pragma unroll
-    for (int pack = part; pack < d / kVec; pack += Rows::kThreadsPerRow) {
-      const Pack<T, kVec> dy = load_pack<T, kVec>(grad_out + row * d + pack * kVec);
-      const Pack<T, kVec> y = load_pack<T, kVec>(out + row * d + pack * kVec);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) sum += to_acc(dy.val[j]) * to_acc(y.val[j]);
-    }
-  }
-  sum = row_group_sum<Rows::kThreadsPerRow>(sum);
-  if (row < rows && part == 0) delta[row] = sum;
-}
-
 // --- float16 / bfloat16 on the tensor cores ------------------------------------------------------
-
 
 // How a CTA of the tensor-core backward splits its work. Each warp owns 16 keys and holds their dk and
 // dv accumulators, 2 x kD / 2 registers at full width: past tile width 128 (2 x 96 or 2 x 128, beside
@@ -130,56 +98,6 @@ __device__ __forceinline__ void warp_rows_times_queries(float (&c)[kQueryTile / 
     uint32_t a[4];
     load_a_fragment<kPaddedPitch<kD>>(a, warp_rows + d * 16);
     multiply_slice_by_transpose<T, kQueryTile, kPaddedPitch<kD>>(c, a, query_tile + d * 16);
-  }
-}
-
-// s (S^T) becomes P^T = 2^(s * scale_log2 - lse * log2 e) and dp (dP^T) becomes dS^T = P^T (dP^T -
-// delta), for the thread's keys key0, key0 + 8 and queries query0 + 8n + 2 (lane % 4) + {0, 1}.
-template <bool kMasked, int kQueryTile>
-__device__ __forceinline__ void probabilities_and_score_grads(float (&s)[kQueryTile / 8][4],
-                                                              float (&dp)[kQueryTile / 8][4], const float* lse_tile,
-                                                              const float* delta_tile, float scale_log2,
-                                                              const VisibleKeys& visible, int64_t key0,
-                                                              int64_t query0) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-#pragma unroll
-  for (int n = 0; n < kQueryTile / 8; ++n) {
-    const int column = n * 8 + lane % 4 * 2;
-    const float2 lse_pair = *reinterpret_cast<const float2*>(lse_tile + column);
-    const float2 delta_pair = *reinterpret_cast<const float2*>(delta_tile + column);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // (key0, q), (key0, q + 1), (key0 + 8, q), (key0 + 8, q + 1)
-      const int e = i % 2;
-      float p = exp2_approx(s[n][i] * scale_log2 - (e ? lse_pair.y : lse_pair.x) * kLog2e);
-      if (kMasked && !visible.sees(query0 + column + e, key0 + i / 2 * 8)) p = 0.0f;
-      s[n][i] = p;
-      dp[n][i] = p * (dp[n][i] - (e ? delta_pair.y : delta_pair.x));
-    }
-  }
-}
-
-// dq_accumulator rows [query0, query0 + 16) (rows of d) += c (16 x kCols, columns from `column0`),
-// skipping rows past `rows` and the tile's columns past d (whole 8-column n-tiles: d is a multiple of 8).
-// sm_90 adds a float2 in one atomic (red.global.add.v2.f32): half the atomic traffic.
-template <int kCols>
-__device__ __forceinline__ void add_to_dq(float* dq_accumulator, const float (&c)[kCols / 8][4], int64_t query0,
-                                          int column0, int64_t rows, int d) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = query0 + lane / 4 + 8 * half;
-    if (row >= rows) continue;
-#pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-      if (column0 + n * 8 >= d) break;
-      float* target = dq_accumulator + row * d + column0 + n * 8 + lane % 4 * 2;
-#if __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float2*>(target), make_float2(c[n][2 * half], c[n][2 * half + 1]));
-#else
-      atomicAdd(target, c[n][2 * half]);
-      atomicAdd(target + 1, c[n][2 * half + 1]);
-#endif
-    }
   }
 }
 
@@ -320,19 +238,6 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   }
 }
 
-// grad_q = scale * dq_accumulator, rounded to T; 4 values per thread (numel is a multiple of 8).
-template <typename T>
-__global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumulator, T* __restrict__ grad_q,
-                                             int64_t numel, float scale) {
-  const int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * 4;
-  if (i >= numel) return;
-  const Pack<float, 4> sum = load_pack_once<float, 4>(dq_accumulator + i);
-  Pack<T, 4> rounded;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) rounded.val[j] = from_acc<T>(sum.val[j] * scale);
-  store_pack<T, 4>(grad_q + i, rounded);
-}
-
 // --- launchers -----------------------------------------------------------------------------------
 
 // float16/bfloat16 need a float32 dq accumulator (rows x head_dim) before delta (rows); the SIMT
@@ -346,6 +251,10 @@ int64_t attention_backward_workspace_size(DType dtype, const AttentionShape& sha
 void launch_attention_backward(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                                const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                void* grad_k, void* grad_v, void* workspace, void* stream) {
+  if (launch_attention_backward_hopper(dtype, shape, grad_out, q, k, v, out, lse, grad_q, grad_k, grad_v, workspace,
+                                       stream)) {
+    return;
+  }
   const auto s = static_cast<cudaStream_t>(stream);
   const int64_t rows = shape.batch_heads * shape.query_length, d = shape.head_dim;
   const int64_t kv_heads = shape.batch_heads / shape.group;
@@ -361,10 +270,7 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
       constexpr bool kTensorCores = !(std::is_same_v<T, float> || std::is_same_v<T, double>);
       A* dq_accumulator = static_cast<A*>(workspace);
       A* delta = dq_accumulator + (kTensorCores ? rows * d : 0);
-      using DeltaLayout = DeltaRows<T, kD>;
-      attention_backward_delta_kernel<T, kD>
-          <<<static_cast<unsigned>(ceil_div(rows, DeltaLayout::kRowsPerBlock)), DeltaLayout::kThreads, 0, s>>>(
-              dy, static_cast<const T*>(out), delta, rows, static_cast<int>(d));
+      launch_attention_backward_delta<T, kD>(dy, static_cast<const T*>(out), delta, rows, static_cast<int>(d), s);
       if constexpr (kTensorCores) {
         constexpr int kBytes = attention_backward_shared_bytes<T, kD>();
         auto* kernel = attention_backward_tensor_core_kernel<T, kD>;
@@ -374,9 +280,7 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
         kernel<<<blocks, BackwardWarps<kD>::kWarps * kWarpSize, kBytes, s>>>(
             shape, dy, q_, k_, v_, static_cast<const float*>(lse), delta, dq_accumulator, static_cast<T*>(grad_k),
             static_cast<T*>(grad_v));
-        constexpr int kThreads = 256;
-        attention_backward_dq_kernel<T><<<static_cast<unsigned>(ceil_div(rows * d, 4 * kThreads)), kThreads, 0, s>>>(
-            dq_accumulator, static_cast<T*>(grad_q), rows * d, static_cast<float>(shape.scale));
+        launch_attention_backward_dq<T>(dq_accumulator, static_cast<T*>(grad_q), rows * d, shape.scale, s);
       } else {
         using Rows = SimtRows<kD>;
         const T* lse_ = static_cast<const T*>(lse);

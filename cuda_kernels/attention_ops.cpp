@@ -6,8 +6,8 @@
 //   attention_backward(grad_out, q, k, v, out, lse, causal, window, scale) -> (grad_q, grad_k, grad_v)
 //   decode_attention(q, k_new, v_new, k_cache!, v_cache!, key_lengths, window, scale) -> out  (inference only;
 //                    writes the new key and value into the caches)
-//   use_hopper_attention(enable) -> the previous setting  (whether the forward may take its Hopper kernel,
-//                    attention_forward_hopper.cu, where it applies; on by default)
+//   use_hopper_attention(enable) -> the previous setting  (whether forward and backward may take their Hopper
+//                    kernels, attention_{forward,backward}_hopper.cu, where they apply; on by default)
 //
 // q is (B, H, Lq, D), k and v (B, Hkv, Lk, D) with H a multiple of Hkv (grouped-query attention: query
 // head h reads kv head h / (H / Hkv)); D a multiple of 8 up to 256; query i sits at key position i + Lk - Lq. lse, the log of

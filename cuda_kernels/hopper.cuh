@@ -27,8 +27,12 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only: the kernels need no libcuda symbol)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <atomic>
 
 #include "common.cuh"
+#include "tensor_core.cuh"  // pack_pair
 
 namespace kernel_ladder {
 
@@ -221,6 +225,10 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32
       KERNEL_LADDER_C4(c, 11), KERNEL_LADDER_C4(c, 12), KERNEL_LADDER_C4(c, 13), KERNEL_LADDER_C4(c, 14),         \
       KERNEL_LADDER_C4(c, 15)
 
+#define KERNEL_LADDER_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define KERNEL_LADDER_C16(c) \
+  KERNEL_LADDER_C4(c, 0), KERNEL_LADDER_C4(c, 1), KERNEL_LADDER_C4(c, 2), KERNEL_LADDER_C4(c, 3)
+
 // c (64 x 128, float) = a b^T, or += with `accumulate`: a (64 x 16) and b (128 x 16) in shared memory,
 // both K-major (descriptors). The trailing immediates: scale a and b by 1, neither transposed.
 #define KERNEL_LADDER_WGMMA_64x128_SHARED(TYPE)                                                                 \
@@ -270,14 +278,129 @@ __device__ __forceinline__ void wgmma_64xNx16_from_registers(float (&c)[kN / 8][
   }
 }
 
+// c (64 x kN, float) = a b, or += with `accumulate`: both operands in shared memory, each K-major (0) or
+// MN-major (1) as kTransposeA / kTransposeB say. The backward's dq = dS K reads dS from a buffer of
+// dS^T (keys x queries: M contiguous, MN-major) and K as it lies (keys x head dims: N contiguous).
+#define KERNEL_LADDER_WGMMA_64xN_SHARED(TYPE, N, D, C, A, B, SCALE, TRANSPOSE_A, TRANSPOSE_B)                  \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " SCALE ", 0;\n"                           \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " " D ", " A ", " B            \
+               ", accumulate, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                   \
+               : C(c)                                                                                           \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kTransposeA), "n"(kTransposeB))
+
+template <typename T, int kN, int kTransposeA, int kTransposeB>
+__device__ __forceinline__ void wgmma_64xNx16_shared(float (&c)[kN / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
+  static_assert(kN == 32 || kN == 64, "instantiated for N = 32 and 64");
+  if constexpr (kN == 32 && std::is_same_v<T, __half>) {
+    KERNEL_LADDER_WGMMA_64xN_SHARED("f16", "32", KERNEL_LADDER_D16, KERNEL_LADDER_C16, "%16", "%17", "%18", "%19",
+                                    "%20");
+  } else if constexpr (kN == 32) {
+    KERNEL_LADDER_WGMMA_64xN_SHARED("bf16", "32", KERNEL_LADDER_D16, KERNEL_LADDER_C16, "%16", "%17", "%18", "%19",
+                                    "%20");
+  } else if constexpr (std::is_same_v<T, __half>) {
+    KERNEL_LADDER_WGMMA_64xN_SHARED("f16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "%32", "%33", "%34", "%35",
+                                    "%36");
+  } else {
+    KERNEL_LADDER_WGMMA_64xN_SHARED("bf16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "%32", "%33", "%34", "%35",
+                                    "%36");
+  }
+}
+
+// A warpgroup's 64 x kColumns accumulator, times `scale` and rounded to T, into 64 rows of a tile of
+// 128-byte swizzled boxes (`rows`: the first row in box 0; box_bytes apart), the layout TMA and wgmma
+// read. The stores of one instruction go to 16-byte chunk n % 8 of their row XOR the row's index mod 8
+// (= lane / 4): 8 rows x 4 lanes cover all 32 banks.
+template <typename T, int kColumns>
+__device__ __forceinline__ void store_swizzled_rows(unsigned char* rows, int box_bytes,
+                                                    const float (&c)[kColumns / 8][4], float scale) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize % 4, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int g = lane / 4;
+#pragma unroll
+  for (int n = 0; n < kColumns / 8; ++n) {
+    unsigned char* top = rows + n / 8 * box_bytes + (warp * 16 + g) * 128 + (n % 8 ^ g) * 16 + lane % 4 * 4;
+    *reinterpret_cast<uint32_t*>(top) = pack_pair<T>(c[n][0] * scale, c[n][1] * scale);
+    *reinterpret_cast<uint32_t*>(top + 8 * 128) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
+  }
+}
+
+#undef KERNEL_LADDER_WGMMA_64xN_SHARED
+
 #undef KERNEL_LADDER_WGMMA_64xN_REGISTERS
 #undef KERNEL_LADDER_WGMMA_64x128_SHARED
 #undef KERNEL_LADDER_C64
+#undef KERNEL_LADDER_C16
 #undef KERNEL_LADDER_C32
 #undef KERNEL_LADDER_C4
 #undef KERNEL_LADDER_D64
+#undef KERNEL_LADDER_D16
 #undef KERNEL_LADDER_D32
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// --- host side: tensor maps and the device check ----------------------------------------------------------
+// (attention_forward_hopper.cu still holds its own copies, encode_tensor_map and current_device_is_hopper,
+// in an anonymous namespace; these are the shared ones.)
+
+#ifdef KERNEL_LADDER_SM90A
+constexpr bool kHopperImageBuilt = true;  // the build added -gencode arch=compute_90a,code=sm_90a
+#else
+constexpr bool kHopperImageBuilt = false;
+#endif
+
+// cuTensorMapEncodeTiled is a driver (libcuda) function; the runtime hands out its address, so the
+// extension needs no -lcuda. Looked up once; null if this driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encode_function() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
+#else
+    cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &function, cudaEnableDefault, &found);
+#endif
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function)
+                                                : nullptr;
+  }();
+  return encode;
+}
+
+// A contiguous (matrices, rows, head_dim) tensor of 16-bit values as a TMA tensor map whose boxes are
+// box_rows rows x 64 columns, 128-byte swizzled. The sizes (innermost first) bound every box: rows past
+// `rows` (a sequence's end, not the next head's first rows) and columns past head_dim read as zero and
+// are never written. False if the driver refuses it.
+inline bool encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void* tensor, int64_t matrices,
+                                       int64_t rows, int64_t head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encode_function();
+  if (encode == nullptr) return false;
+  const cuuint64_t sizes[3] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                               static_cast<cuuint64_t>(matrices)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_dim) * 2, static_cast<cuuint64_t>(rows * head_dim) * 2};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_steps[3] = {1, 1, 1};
+  const CUtensorMapDataType type =
+      dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, type, 3, const_cast<void*>(tensor), sizes, strides, box, element_steps,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The sm_90a image runs on compute capability 9.0 only (H100, H200, GH200). Asked once per device: a
+// static array is zero ("not asked yet") before the first call.
+inline bool is_hopper_device() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answers[kMaxDevices];  // 1: yes, 2: no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  int answer = answers[device].load(std::memory_order_relaxed);
+  if (answer == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    answer = major == 9 && minor == 0 ? 1 : 2;
+    answers[device].store(answer, std::memory_order_relaxed);
+  }
+  return answer == 1;
+}
 
 }  // namespace kernel_ladder

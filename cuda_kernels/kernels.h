@@ -128,6 +128,12 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
 // hopper_attention_enabled().
 bool launch_attention_forward_hopper(DType dtype, const AttentionShape& shape, const void* q, const void* k,
                                      const void* v, void* out, void* lse, void* stream);
+// The same backward on Hopper's wgmma and TMA (attention_backward_hopper.cu), which
+// launch_attention_backward tries first, under the same conditions as launch_attention_forward_hopper;
+// false: nothing was launched.
+bool launch_attention_backward_hopper(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
+                                      const void* k, const void* v, const void* out, const void* lse, void* grad_q,
+                                      void* grad_k, void* grad_v, void* workspace, void* stream);
 // The switch behind the op cuda_kernels::use_hopper_attention (attention_ops.cpp defines both): on unless
 // a caller turned it off, so that one process can time the mma.sync kernel on a Hopper GPU too.
 bool hopper_attention_enabled();

@@ -7,8 +7,9 @@
     softmax(x)                                -> y  (softmax.cu,    softmax_cpu.cpp,    softmax_ops.cpp)
     attention(q, k, v, causal, window, scale) -> o  (attention_forward.cu, attention_backward.cu,
                                                      attention_cpu.cpp, attention_ops.cpp; on a Hopper
-                                                     GPU the forward runs attention_forward_hopper.cu,
-                                                     unless inside ``portable_attention()``)
+                                                     GPU attention_forward_hopper.cu and
+                                                     attention_backward_hopper.cu, unless inside
+                                                     ``portable_attention()``)
     decode_attention(q, k_new, v_new,         -> o  (attention_decode.cu, attention_cpu.cpp, attention_ops.cpp:
                      k_cache, v_cache,               one new token per sequence appended to a static KV
                      key_lengths, window, scale)     cache and attended)
@@ -282,10 +283,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
 
 @contextlib.contextmanager
 def portable_attention():
-    """Inside this block, level 5's attention forward runs its portable mma.sync kernel also on a Hopper
-    GPU, whose default is the wgmma/TMA kernel (attention_forward_hopper.cu), so that one process can
-    time or check both. The switch is process-wide (every thread, every stream); the previous setting
-    comes back on exit. Elsewhere there is only one kernel, and this changes nothing."""
+    """Inside this block, level 5's attention forward and backward run their portable mma.sync kernels also
+    on a Hopper GPU, whose defaults are the wgmma/TMA kernels (attention_forward_hopper.cu,
+    attention_backward_hopper.cu), so that one process can time or check both. The switch is process-wide
+    (every thread, every stream); the previous setting comes back on exit. Elsewhere there is only one kernel, and this changes nothing."""
     previous = _use_hopper_attention(False)
     try:
         yield

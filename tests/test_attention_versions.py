@@ -1,6 +1,7 @@
 """The climb to level 4's attention forward (triton_kernels/attention_versions.py): every version is
 causal attention, within tolerance of level 1's float64 run, and says clearly what it cannot do. And
-level 5's two 16-bit forward kernels, the portable mma.sync one and Hopper's wgmma/TMA one, side by side."""
+level 5's two 16-bit kernels of each direction, the portable mma.sync ones and Hopper's wgmma/TMA ones, side
+by side."""
 
 from __future__ import annotations
 
@@ -141,6 +142,43 @@ def test_both_level_5_cuda_forward_kernels_match_float64_reference(head_dim, dty
             assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], case
 
 
+def float64_attention_gradients(q, k, v, grad_out, causal, window, scale):
+    """Level 1's grad_q, grad_k, grad_v in float64 for grad_out flowing back."""
+    reference = levels.float64_reference(levels.build("attention", "native", causal=causal, window=window or None,
+                                                      scale=scale))
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    reference(q, k, v).backward(grad_out.double())
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_both_level_5_cuda_backward_kernels_match_float64_reference(head_dim, dtype):
+    """The backward likewise: on a Hopper GPU the wgmma/TMA kernel by default, the mma.sync one under
+    portable_attention(). grad_q, grad_k, grad_v, every case, both ways, from the same out and lse."""
+    from cuda_kernels.ops import portable_attention
+
+    forward = torch.ops.cuda_kernels.attention_forward.default
+    backward = torch.ops.cuda_kernels.attention_backward.default
+    scale = head_dim ** -0.5
+    for config, query_shape, key_shape in LEVEL_5_CASES:
+        q = torch.randn(*query_shape, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(*key_shape, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        grad_out = torch.randn_like(q)
+        out, lse = forward(q, k, v, config["causal"], config["window"], scale)
+        arguments = (grad_out, q, k, v, out, lse, config["causal"], config["window"], scale)
+        expected = float64_attention_gradients(q, k, v, grad_out, config["causal"], config["window"], scale)
+        with portable_attention():
+            portable = backward(*arguments)
+        default = backward(*arguments)
+        for kernel, gradients in {"portable": portable, "default": default}.items():
+            for name, actual, wanted in zip(("grad_q", "grad_k", "grad_v"), gradients, expected):
+                case = f"{kernel} kernel, {name}, {config}, q {query_shape}, k {key_shape}"
+                assert bool(torch.isfinite(actual).all()), case
+                assert levels.relative_max_error(actual, wanted) <= levels.TOLERANCE[dtype], case
+
+
 def cuda_kernel_names(function) -> set[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -155,19 +193,24 @@ def cuda_kernel_names(function) -> set[str]:
                     reason="needs a Hopper GPU (compute capability 9.0)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_a_hopper_gpu_runs_the_hopper_kernel_unless_told_not_to(dtype):
-    """The build added the sm_90a target (cuda_kernels/ops.py), and the launcher took it."""
+    """The build added the sm_90a target (cuda_kernels/ops.py), and the launchers took it, forward and
+    backward."""
     from cuda_kernels.ops import portable_attention
 
     q = torch.randn(1, 2, 200, 128, dtype=dtype, device="cuda")
 
     def call():
-        torch.ops.cuda_kernels.attention_forward(q, q, q, True, 0, 0.125)
+        out, lse = torch.ops.cuda_kernels.attention_forward(q, q, q, True, 0, 0.125)
+        torch.ops.cuda_kernels.attention_backward(q, q, q, q, out, lse, True, 0, 0.125)
 
-    assert any("attention_forward_hopper_kernel" in name for name in cuda_kernel_names(call))
+    names = cuda_kernel_names(call)
+    assert any("attention_forward_hopper_kernel" in name for name in names)
+    assert any("attention_backward_hopper_kernel" in name for name in names)
     with portable_attention():
         names = cuda_kernel_names(call)
     assert not any("hopper" in name for name in names)
     assert any("attention_forward_tensor_core_kernel" in name for name in names)
+    assert any("attention_backward_tensor_core_kernel" in name for name in names)
 
 
 def test_use_hopper_attention_returns_the_previous_setting():
