@@ -203,89 +203,130 @@ __device__ __forceinline__ uint64_t k_major_descriptor(uint32_t address) {
 // An operand stored MN-major (k runs down the rows and N along them: V, keys x head dims, for P V): a k16
 // step is 16 rows, two 8-row atoms 1024 bytes apart (the stride offset), and N runs on past 64 columns into
 // the next box, box_bytes further (the leading offset). Step s starts `address + 16 rows * 128 bytes * s`.
+// The PTX ISA defines the layout in core matrices (8 rows of 16 bytes), so N need not fill the last box:
+// N = 80 reads 8 core-matrix columns of the first box and 2 of the second.
 __device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address, uint32_t box_bytes) {
   return swizzle_128b_descriptor(address, box_bytes, 1024);
 }
 
-// The instruction's operand lists, written out once: {%0, ..., %31} or {%0, ..., %63} name the accumulator
-// registers, which the asm statements list first, four per n8 block of columns.
-#define KERNEL_LADDER_D32                                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-  "%24, %25, %26, %27, %28, %29, %30, %31}"
-#define KERNEL_LADDER_D64                                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
-  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define KERNEL_LADDER_C4(c, n) "+f"(c[n][0]), "+f"(c[n][1]), "+f"(c[n][2]), "+f"(c[n][3])
-#define KERNEL_LADDER_C32(c)                                                                                     \
-  KERNEL_LADDER_C4(c, 0), KERNEL_LADDER_C4(c, 1), KERNEL_LADDER_C4(c, 2), KERNEL_LADDER_C4(c, 3),               \
-      KERNEL_LADDER_C4(c, 4), KERNEL_LADDER_C4(c, 5), KERNEL_LADDER_C4(c, 6), KERNEL_LADDER_C4(c, 7)
-#define KERNEL_LADDER_C64(c)                                                                                     \
-  KERNEL_LADDER_C32(c), KERNEL_LADDER_C4(c, 8), KERNEL_LADDER_C4(c, 9), KERNEL_LADDER_C4(c, 10),                 \
-      KERNEL_LADDER_C4(c, 11), KERNEL_LADDER_C4(c, 12), KERNEL_LADDER_C4(c, 13), KERNEL_LADDER_C4(c, 14),         \
-      KERNEL_LADDER_C4(c, 15)
+// wgmma m64nNk16 for the N the attention kernel uses. The accumulator is N / 8 blocks of 4 floats a thread
+// (N / 2 registers, listed first in each asm statement: %0 ... %(N/2 - 1)), the operands after them, so
+// every N has its own instruction string. They are written out once here, 8 registers at a time.
+#define KERNEL_LADDER_R0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define KERNEL_LADDER_R1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define KERNEL_LADDER_R2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define KERNEL_LADDER_R3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define KERNEL_LADDER_R4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define KERNEL_LADDER_R5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define KERNEL_LADDER_R6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define KERNEL_LADDER_R7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define KERNEL_LADDER_R8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define KERNEL_LADDER_R9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define KERNEL_LADDER_R10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define KERNEL_LADDER_R11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define KERNEL_LADDER_R12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define KERNEL_LADDER_R13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define KERNEL_LADDER_R14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define KERNEL_LADDER_R15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define KERNEL_LADDER_L16 KERNEL_LADDER_R0 ", " KERNEL_LADDER_R1
+#define KERNEL_LADDER_L32 KERNEL_LADDER_R0 ", " KERNEL_LADDER_R1 ", " KERNEL_LADDER_R2 ", " KERNEL_LADDER_R3
+#define KERNEL_LADDER_L40 KERNEL_LADDER_L32 ", " KERNEL_LADDER_R4
+#define KERNEL_LADDER_L48 KERNEL_LADDER_L40 ", " KERNEL_LADDER_R5
+#define KERNEL_LADDER_L56 KERNEL_LADDER_L48 ", " KERNEL_LADDER_R6
+#define KERNEL_LADDER_L64 KERNEL_LADDER_L56 ", " KERNEL_LADDER_R7
+#define KERNEL_LADDER_L96 \
+  KERNEL_LADDER_L64 ", " KERNEL_LADDER_R8 ", " KERNEL_LADDER_R9 ", " KERNEL_LADDER_R10 ", " KERNEL_LADDER_R11
+#define KERNEL_LADDER_L128 \
+  KERNEL_LADDER_L96 ", " KERNEL_LADDER_R12 ", " KERNEL_LADDER_R13 ", " KERNEL_LADDER_R14 ", " KERNEL_LADDER_R15
+// The matching C++ operands: blocks 2i and 2i + 1 of c, 8 registers.
+#define KERNEL_LADDER_C4(n) "+f"(c[n][0]), "+f"(c[n][1]), "+f"(c[n][2]), "+f"(c[n][3])
+#define KERNEL_LADDER_C8(i) KERNEL_LADDER_C4(2 * (i)), KERNEL_LADDER_C4(2 * (i) + 1)
+#define KERNEL_LADDER_C16 KERNEL_LADDER_C8(0), KERNEL_LADDER_C8(1)
+#define KERNEL_LADDER_C32 KERNEL_LADDER_C8(0), KERNEL_LADDER_C8(1), KERNEL_LADDER_C8(2), KERNEL_LADDER_C8(3)
+#define KERNEL_LADDER_C40 KERNEL_LADDER_C32, KERNEL_LADDER_C8(4)
+#define KERNEL_LADDER_C48 KERNEL_LADDER_C40, KERNEL_LADDER_C8(5)
+#define KERNEL_LADDER_C56 KERNEL_LADDER_C48, KERNEL_LADDER_C8(6)
+#define KERNEL_LADDER_C64 KERNEL_LADDER_C56, KERNEL_LADDER_C8(7)
+#define KERNEL_LADDER_C96 \
+  KERNEL_LADDER_C64, KERNEL_LADDER_C8(8), KERNEL_LADDER_C8(9), KERNEL_LADDER_C8(10), KERNEL_LADDER_C8(11)
+#define KERNEL_LADDER_C128 \
+  KERNEL_LADDER_C96, KERNEL_LADDER_C8(12), KERNEL_LADDER_C8(13), KERNEL_LADDER_C8(14), KERNEL_LADDER_C8(15)
 
-#define KERNEL_LADDER_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define KERNEL_LADDER_C16(c) \
-  KERNEL_LADDER_C4(c, 0), KERNEL_LADDER_C4(c, 1), KERNEL_LADDER_C4(c, 2), KERNEL_LADDER_C4(c, 3)
-
-// c (64 x 128, float) = a b^T, or += with `accumulate`: a (64 x 16) and b (128 x 16) in shared memory,
-// both K-major (descriptors). The trailing immediates: scale a and b by 1, neither transposed.
-#define KERNEL_LADDER_WGMMA_64x128_SHARED(TYPE)                                                                 \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                  \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " KERNEL_LADDER_D64              \
-               ", %64, %65, accumulate, 1, 1, 0, 0;\n}\n"                                                      \
-               : KERNEL_LADDER_C64(c)                                                                           \
+// c (64 x N, float) = a b^T, or += with the flag: a (64 x 16) and b (N x 16) in shared memory, both K-major
+// (descriptors). The trailing immediates: scale a and b by 1, neither transposed. A, B, FLAG: the operand
+// numbers after the accumulator's.
+#define KERNEL_LADDER_WGMMA_SHARED(TYPE, N, LIST, C, A, B, FLAG)                                             \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %" #FLAG ", 0;\n"                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" LIST "}, %" #A ", %" #B \
+               ", accumulate, 1, 1, 0, 0;\n}\n"                                                                \
+               : C                                                                                              \
                : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-
-template <typename T>
-__device__ __forceinline__ void wgmma_64x128x16(float (&c)[16][4], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
-  if constexpr (std::is_same_v<T, __half>) {
-    KERNEL_LADDER_WGMMA_64x128_SHARED("f16");
-  } else {
-    KERNEL_LADDER_WGMMA_64x128_SHARED("bf16");
-  }
-}
-
-// c (64 x kN, float) += a b: a (64 x 16) in registers, each warp's 16 rows an mma.sync A fragment; b
-// (16 x kN) in shared memory, MN-major (the trailing 1: "transposed" relative to K-major). A, B and SCALE
-// are the operand numbers of a's four registers, b's descriptor and the accumulate flag (always 1 here).
-#define KERNEL_LADDER_WGMMA_64xN_REGISTERS(TYPE, N, D, C, A, B, SCALE)                                         \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " SCALE ", 0;\n"                           \
-               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " " D ", " A ", " B            \
-               ", accumulate, 1, 1, 1;\n}\n"                                                                  \
-               : C(c)                                                                                           \
+// c (64 x N, float) += a b: a (64 x 16) in registers, each warp's 16 rows an mma.sync A fragment (operands
+// A0..A0+3); b (16 x N) in shared memory, MN-major (the trailing 1: "transposed" relative to K-major).
+#define KERNEL_LADDER_WGMMA_REGISTERS(TYPE, N, LIST, C, A0, A1, A2, A3, B, FLAG)                               \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %" #FLAG ", 0;\n"                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" LIST "}, {%" #A0 ", %" #A1 \
+               ", %" #A2 ", %" #A3 "}, %" #B ", accumulate, 1, 1, 1;\n}\n"                                   \
+               : C                                                                                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
 
+template <int kN>
+struct Wgmma64xN;  // one specialisation per N below
+
+// R is N / 2, the first operand number after the accumulator; R1 ... R5 the next ones.
+#define KERNEL_LADDER_WGMMA_SHAPE(N, R, R1, R2, R3, R4, R5)                                                       \
+  template <>                                                                                                   \
+  struct Wgmma64xN<N> {                                                                                         \
+    template <typename T>                                                                                       \
+    static __device__ __forceinline__ void shared(float (&c)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) { \
+      if constexpr (std::is_same_v<T, __half>) {                                                                \
+        KERNEL_LADDER_WGMMA_SHARED("f16", N, KERNEL_LADDER_L##R, KERNEL_LADDER_C##R, R, R1, R2);                \
+      } else {                                                                                                  \
+        KERNEL_LADDER_WGMMA_SHARED("bf16", N, KERNEL_LADDER_L##R, KERNEL_LADDER_C##R, R, R1, R2);               \
+      }                                                                                                         \
+    }                                                                                                           \
+    template <typename T>                                                                                       \
+    static __device__ __forceinline__ void from_registers(float (&c)[N / 8][4], const uint32_t (&a)[4], uint64_t b) { \
+      if constexpr (std::is_same_v<T, __half>) {                                                                \
+        KERNEL_LADDER_WGMMA_REGISTERS("f16", N, KERNEL_LADDER_L##R, KERNEL_LADDER_C##R, R, R1, R2, R3, R4, R5); \
+      } else {                                                                                                  \
+        KERNEL_LADDER_WGMMA_REGISTERS("bf16", N, KERNEL_LADDER_L##R, KERNEL_LADDER_C##R, R, R1, R2, R3, R4, R5); \
+      }                                                                                                         \
+    }                                                                                                           \
+  };
+
+// Key tiles of 128, 112 and 80 (S = q K^T); head-dim tiles of 64, 80, 96, 128, 192 and 256 (O += P V).
+KERNEL_LADDER_WGMMA_SHAPE(64, 32, 33, 34, 35, 36, 37)
+KERNEL_LADDER_WGMMA_SHAPE(80, 40, 41, 42, 43, 44, 45)
+KERNEL_LADDER_WGMMA_SHAPE(96, 48, 49, 50, 51, 52, 53)
+KERNEL_LADDER_WGMMA_SHAPE(112, 56, 57, 58, 59, 60, 61)
+KERNEL_LADDER_WGMMA_SHAPE(128, 64, 65, 66, 67, 68, 69)
+KERNEL_LADDER_WGMMA_SHAPE(192, 96, 97, 98, 99, 100, 101)
+KERNEL_LADDER_WGMMA_SHAPE(256, 128, 129, 130, 131, 132, 133)
+
+// c (64 x kN) = a b^T (+= with `accumulate`), both operands in shared memory (see above).
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_64xNx16(float (&c)[kN / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
+  Wgmma64xN<kN>::template shared<T>(c, a, b, accumulate);
+}
+
+// c (64 x kN) += a b, a from registers (see above).
 template <typename T, int kN>
 __device__ __forceinline__ void wgmma_64xNx16_from_registers(float (&c)[kN / 8][4], const uint32_t (&a)[4],
                                                              uint64_t b) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
-  static_assert(kN == 64 || kN == 128, "instantiated for N = 64 and 128");
-  if constexpr (kN == 64 && std::is_same_v<T, __half>) {
-    KERNEL_LADDER_WGMMA_64xN_REGISTERS("f16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "{%32, %33, %34, %35}",
-                                       "%36", "%37");
-  } else if constexpr (kN == 64) {
-    KERNEL_LADDER_WGMMA_64xN_REGISTERS("bf16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "{%32, %33, %34, %35}",
-                                       "%36", "%37");
-  } else if constexpr (std::is_same_v<T, __half>) {
-    KERNEL_LADDER_WGMMA_64xN_REGISTERS("f16", "128", KERNEL_LADDER_D64, KERNEL_LADDER_C64, "{%64, %65, %66, %67}",
-                                       "%68", "%69");
-  } else {
-    KERNEL_LADDER_WGMMA_64xN_REGISTERS("bf16", "128", KERNEL_LADDER_D64, KERNEL_LADDER_C64, "{%64, %65, %66, %67}",
-                                       "%68", "%69");
-  }
+  Wgmma64xN<kN>::template from_registers<T>(c, a, b);
 }
 
 // c (64 x kN, float) = a b, or += with `accumulate`: both operands in shared memory, each K-major (0) or
 // MN-major (1) as kTransposeA / kTransposeB say. The backward's dq = dS K reads dS from a buffer of
 // dS^T (keys x queries: M contiguous, MN-major) and K as it lies (keys x head dims: N contiguous).
-#define KERNEL_LADDER_WGMMA_64xN_SHARED(TYPE, N, D, C, A, B, SCALE, TRANSPOSE_A, TRANSPOSE_B)                  \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " SCALE ", 0;\n"                           \
-               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE " " D ", " A ", " B            \
-               ", accumulate, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                   \
-               : C(c)                                                                                           \
+#define KERNEL_LADDER_WGMMA_TRANSPOSED(TYPE, N, LIST, C, A, B, FLAG, TRANSPOSE_A, TRANSPOSE_B)                    \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %" #FLAG ", 0;\n"                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" LIST "}, %" #A ", %" #B \
+               ", accumulate, 1, 1, %" #TRANSPOSE_A ", %" #TRANSPOSE_B ";\n}\n"                             \
+               : C                                                                                              \
                : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(kTransposeA), "n"(kTransposeB))
 
 template <typename T, int kN, int kTransposeA, int kTransposeB>
@@ -293,17 +334,13 @@ __device__ __forceinline__ void wgmma_64xNx16_shared(float (&c)[kN / 8][4], uint
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "wgmma takes 16-bit inputs here");
   static_assert(kN == 32 || kN == 64, "instantiated for N = 32 and 64");
   if constexpr (kN == 32 && std::is_same_v<T, __half>) {
-    KERNEL_LADDER_WGMMA_64xN_SHARED("f16", "32", KERNEL_LADDER_D16, KERNEL_LADDER_C16, "%16", "%17", "%18", "%19",
-                                    "%20");
+    KERNEL_LADDER_WGMMA_TRANSPOSED("f16", 32, KERNEL_LADDER_L16, KERNEL_LADDER_C16, 16, 17, 18, 19, 20);
   } else if constexpr (kN == 32) {
-    KERNEL_LADDER_WGMMA_64xN_SHARED("bf16", "32", KERNEL_LADDER_D16, KERNEL_LADDER_C16, "%16", "%17", "%18", "%19",
-                                    "%20");
+    KERNEL_LADDER_WGMMA_TRANSPOSED("bf16", 32, KERNEL_LADDER_L16, KERNEL_LADDER_C16, 16, 17, 18, 19, 20);
   } else if constexpr (std::is_same_v<T, __half>) {
-    KERNEL_LADDER_WGMMA_64xN_SHARED("f16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "%32", "%33", "%34", "%35",
-                                    "%36");
+    KERNEL_LADDER_WGMMA_TRANSPOSED("f16", 64, KERNEL_LADDER_L32, KERNEL_LADDER_C32, 32, 33, 34, 35, 36);
   } else {
-    KERNEL_LADDER_WGMMA_64xN_SHARED("bf16", "64", KERNEL_LADDER_D32, KERNEL_LADDER_C32, "%32", "%33", "%34", "%35",
-                                    "%36");
+    KERNEL_LADDER_WGMMA_TRANSPOSED("bf16", 64, KERNEL_LADDER_L32, KERNEL_LADDER_C32, 32, 33, 34, 35, 36);
   }
 }
 
@@ -324,23 +361,48 @@ __device__ __forceinline__ void store_swizzled_rows(unsigned char* rows, int box
   }
 }
 
-#undef KERNEL_LADDER_WGMMA_64xN_SHARED
-
-#undef KERNEL_LADDER_WGMMA_64xN_REGISTERS
-#undef KERNEL_LADDER_WGMMA_64x128_SHARED
+#undef KERNEL_LADDER_WGMMA_SHAPE
+#undef KERNEL_LADDER_WGMMA_REGISTERS
+#undef KERNEL_LADDER_WGMMA_SHARED
+#undef KERNEL_LADDER_WGMMA_TRANSPOSED
+#undef KERNEL_LADDER_C128
+#undef KERNEL_LADDER_C96
 #undef KERNEL_LADDER_C64
-#undef KERNEL_LADDER_C16
+#undef KERNEL_LADDER_C56
+#undef KERNEL_LADDER_C48
+#undef KERNEL_LADDER_C40
 #undef KERNEL_LADDER_C32
+#undef KERNEL_LADDER_C16
+#undef KERNEL_LADDER_C8
 #undef KERNEL_LADDER_C4
-#undef KERNEL_LADDER_D64
-#undef KERNEL_LADDER_D16
-#undef KERNEL_LADDER_D32
+#undef KERNEL_LADDER_L128
+#undef KERNEL_LADDER_L96
+#undef KERNEL_LADDER_L64
+#undef KERNEL_LADDER_L56
+#undef KERNEL_LADDER_L48
+#undef KERNEL_LADDER_L40
+#undef KERNEL_LADDER_L32
+#undef KERNEL_LADDER_L16
+#undef KERNEL_LADDER_R15
+#undef KERNEL_LADDER_R14
+#undef KERNEL_LADDER_R13
+#undef KERNEL_LADDER_R12
+#undef KERNEL_LADDER_R11
+#undef KERNEL_LADDER_R10
+#undef KERNEL_LADDER_R9
+#undef KERNEL_LADDER_R8
+#undef KERNEL_LADDER_R7
+#undef KERNEL_LADDER_R6
+#undef KERNEL_LADDER_R5
+#undef KERNEL_LADDER_R4
+#undef KERNEL_LADDER_R3
+#undef KERNEL_LADDER_R2
+#undef KERNEL_LADDER_R1
+#undef KERNEL_LADDER_R0
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// --- host side: tensor maps and the device check ----------------------------------------------------------
-// (attention_forward_hopper.cu still holds its own copies, encode_tensor_map and current_device_is_hopper,
-// in an anonymous namespace; these are the shared ones.)
+// --- host side: tensor maps and the device check (both Hopper launchers) ---------------------------------
 
 #ifdef KERNEL_LADDER_SM90A
 constexpr bool kHopperImageBuilt = true;  // the build added -gencode arch=compute_90a,code=sm_90a

@@ -124,7 +124,7 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
                               void* out, void* lse, void* stream);
 // The same forward on Hopper's wgmma and TMA (attention_forward_hopper.cu), which launch_attention_forward
 // tries first. Returns false, launching nothing, unless this build holds the kernel's sm_90a image, the
-// current GPU is compute capability 9.0, dtype is float16 or bfloat16, head_dim <= 128 and
+// current GPU is compute capability 9.0, dtype is float16 or bfloat16, head_dim <= 256 and
 // hopper_attention_enabled().
 bool launch_attention_forward_hopper(DType dtype, const AttentionShape& shape, const void* q, const void* k,
                                      const void* v, void* out, void* lse, void* stream);

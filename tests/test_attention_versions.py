@@ -91,10 +91,10 @@ def test_compare_optimization_levels_times_the_versions_side_by_side():
 # --- level 5: the portable forward kernel and Hopper's ------------------------------------------------------
 
 # (config, q's (batch, heads, seq), k's and v's): sequences that are multiples of no tile (300 keys: two
-# whole 128-key tiles and a ragged one), a sequence long enough that every stage of a 2-stage ring is
-# refilled several times, queries shorter than keys (77: the second 64 queries of the 128-query block are
-# mostly padding; 130: two queries in a second block, whose second 64 are all padding), a window, and
-# grouped-query attention.
+# whole 128-key tiles and a ragged one; the 112- and 80-key tiles of the widest heads), a sequence long
+# enough that every stage of a 2-stage ring is refilled several times, queries shorter than keys (77: the
+# second 64 queries of the 128-query block are mostly padding; 130: two queries in a second block, whose
+# second 64 are all padding), a window, and grouped-query attention.
 LEVEL_5_CASES = [
     ({"causal": False, "window": 0}, (2, 3, 300), (2, 3, 300)),
     ({"causal": True, "window": 0}, (2, 3, 300), (2, 3, 300)),
@@ -104,6 +104,9 @@ LEVEL_5_CASES = [
     ({"causal": False, "window": 0}, (1, 2, 130), (1, 2, 300)),
     ({"causal": True, "window": 0}, (1, 4, 200), (1, 2, 200)),
 ]
+# One head dim per tile width of the Hopper kernel (64, 80, 96, 128, 192, 256), and 144, which runs on the
+# 192 tile with columns past it zero-filled.
+LEVEL_5_HEAD_DIMS = [64, 80, 96, 128, 144, 192, 256]
 
 
 def float64_attention_and_lse(q, k, v, causal, window, scale):
@@ -120,7 +123,7 @@ def float64_attention_and_lse(q, k, v, causal, window, scale):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("head_dim", LEVEL_5_HEAD_DIMS)
 def test_both_level_5_cuda_forward_kernels_match_float64_reference(head_dim, dtype):
     """On a Hopper GPU the default is the wgmma/TMA kernel and portable_attention() the mma.sync one; on
     any other GPU both are the mma.sync kernel. Out and lse, every case, both ways."""
@@ -192,12 +195,13 @@ def cuda_kernel_names(function) -> set[str]:
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper GPU (compute capability 9.0)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_a_hopper_gpu_runs_the_hopper_kernel_unless_told_not_to(dtype):
-    """The build added the sm_90a target (cuda_kernels/ops.py), and the launchers took it, forward and
-    backward."""
+@pytest.mark.parametrize("head_dim", LEVEL_5_HEAD_DIMS)
+def test_a_hopper_gpu_runs_the_hopper_kernel_unless_told_not_to(head_dim, dtype):
+    """The build added the sm_90a target (cuda_kernels/ops.py), and the launchers took it: the forward at
+    every width, the backward up to head_dim 128 (wider heads keep the mma.sync backward)."""
     from cuda_kernels.ops import portable_attention
 
-    q = torch.randn(1, 2, 200, 128, dtype=dtype, device="cuda")
+    q = torch.randn(1, 2, 200, head_dim, dtype=dtype, device="cuda")
 
     def call():
         out, lse = torch.ops.cuda_kernels.attention_forward(q, q, q, True, 0, 0.125)
@@ -205,7 +209,7 @@ def test_a_hopper_gpu_runs_the_hopper_kernel_unless_told_not_to(dtype):
 
     names = cuda_kernel_names(call)
     assert any("attention_forward_hopper_kernel" in name for name in names)
-    assert any("attention_backward_hopper_kernel" in name for name in names)
+    assert any("attention_backward_hopper_kernel" in name for name in names) == (head_dim <= 128)
     with portable_attention():
         names = cuda_kernel_names(call)
     assert not any("hopper" in name for name in names)
