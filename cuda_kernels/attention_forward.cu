@@ -97,7 +97,6 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTileOf<kD> / 8][4]
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the warp's 16
-    float tile_max = row_max[half];
 #pragma unroll
     for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) {
 #pragma unroll
@@ -105,31 +104,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTileOf<kD> / 8][4]
         float& score = s[n][2 * half + e];
         score *= scale_log2;
         if (kMasked && !visible.sees(row0 + 8 * half, key0 + n * 8 + lane % 4 * 2 + e)) score = -INFINITY;
-        tile_max = fmaxf(tile_max, score);
       }
     }
-    // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
-    // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
-    const float shift = tile_max == -INFINITY ? 0.0f : tile_max;
-    const float rescale = exp2_approx(row_max[half] - shift);
-    row_max[half] = tile_max;
-    row_sum[half] *= rescale;
+    const float rescale = exponentiate_row(s, half, row_max[half], row_sum[half]);
 #pragma unroll
     for (int d = 0; d < kD / 8; ++d) {
       o[d][2 * half] *= rescale;
       o[d][2 * half + 1] *= rescale;
-    }
-#pragma unroll
-    for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& p = s[n][2 * half + e];
-        p = exp2_approx(p - shift);
-        row_sum[half] += p;  // this lane's columns only; the quad's partial sums meet at the end
-      }
     }
   }
 }

@@ -195,7 +195,6 @@ __device__ __forceinline__ void online_softmax_of_tile(float (&s)[kKeys / 8][4],
   for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the warp's 16
     // The thread's columns relative to the row's visible keys: key0 + 2 (lane % 4) + 8 n + e.
     const int lowest = first_key[half] - key0 - lane % 4 * 2, past = end_key[half] - key0 - lane % 4 * 2;
-    float tile_max = row_max[half];
 #pragma unroll
     for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
@@ -203,27 +202,9 @@ __device__ __forceinline__ void online_softmax_of_tile(float (&s)[kKeys / 8][4],
         float& score = s[n][2 * half + e];
         score *= scale_log2;
         if (kMasked && (n * 8 + e < lowest || n * 8 + e >= past)) score = -INFINITY;
-        tile_max = fmaxf(tile_max, score);
       }
     }
-    // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
-    // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
-    const float shift = tile_max == -INFINITY ? 0.0f : tile_max;
-    rescale[half] = exp2_approx(row_max[half] - shift);
-    row_max[half] = tile_max;
-    row_sum[half] *= rescale[half];
-#pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& p = s[n][2 * half + e];
-        p = exp2_approx(p - shift);
-        row_sum[half] += p;  // this lane's columns only; the quad's partial sums meet at the end
-      }
-    }
+    rescale[half] = exponentiate_row(s, half, row_max[half], row_sum[half]);
   }
 }
 

@@ -199,6 +199,38 @@ __device__ __forceinline__ float exp2_approx(float x) {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The online softmax's step for one row of a score tile, shared by the mma.sync and wgmma forward kernels,
+// whose accumulators have the C layout above (a thread holds columns 8 n + 2 (lane % 4) + e of two rows,
+// `half` 0 and 1; the quad of lanes holding a row holds all of it). s holds the tile's scores already in
+// log2 units, -inf where the mask hides a key. The row's part of s becomes P = 2^(s - m) with m the new
+// running max; row_max becomes m, row_sum is rescaled to it and grows by this lane's P (the quad's partial
+// sums meet at the end); returns 2^(m_old - m), the factor the output accumulated so far must take.
+template <int kBlocks>
+__device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int half, float& row_max, float& row_sum) {
+  float tile_max = row_max;
+#pragma unroll
+  for (int n = 0; n < kBlocks; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+  // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
+  // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
+  const float shift = tile_max == -INFINITY ? 0.0f : tile_max;
+  const float rescale = exp2_approx(row_max - shift);
+  row_max = tile_max;
+  row_sum *= rescale;
+#pragma unroll
+  for (int n = 0; n < kBlocks; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& p = s[n][2 * half + e];
+      p = exp2_approx(p - shift);
+      row_sum += p;
+    }
+  }
+  return rescale;
+}
+
 // Stage a warp's 16 x kCols accumulator rows (C fragments, kCols / 8 of them) into its rows of a
 // padded shared tile (rows kPitch apart), rounded to T, so that the warp can then write them to global
 // memory in coalesced 16-byte pieces (copy_rows_to_global).
