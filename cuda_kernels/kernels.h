@@ -118,7 +118,7 @@ void launch_softmax_backward(DType dtype, const void* grad_out, const void* y, v
                              void* stream);
 
 // out = softmax(q k^T * scale + mask) v; lse (batch_heads, query_length) = log of each softmax's
-// denominator, max included (natural log, in the accumulator type). head_dim is 16, 32, 64 or 128;
+// denominator, max included (natural log, in the accumulator type). head_dim as AttentionShape says;
 // every pointer is 16-byte aligned; every query sees at least one key.
 void launch_attention_forward(DType dtype, const AttentionShape& shape, const void* q, const void* k, const void* v,
                               void* out, void* lse, void* stream);
@@ -129,8 +129,8 @@ void launch_attention_forward(DType dtype, const AttentionShape& shape, const vo
 bool launch_attention_forward_hopper(DType dtype, const AttentionShape& shape, const void* q, const void* k,
                                      const void* v, void* out, void* lse, void* stream);
 // The same backward on Hopper's wgmma and TMA (attention_backward_hopper.cu), which
-// launch_attention_backward tries first, under the same conditions as launch_attention_forward_hopper;
-// false: nothing was launched.
+// launch_attention_backward tries first, under the same conditions as launch_attention_forward_hopper
+// but head_dim <= 128; false: nothing was launched.
 bool launch_attention_backward_hopper(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                                       const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                       void* grad_k, void* grad_v, void* workspace, void* stream);
