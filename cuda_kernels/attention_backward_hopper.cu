@@ -55,9 +55,8 @@
 namespace kernel_ladder {
 
 // The CTA: a producer warpgroup, then two consumer warpgroups of 64 keys each (wgmma's M).
-constexpr int kBackwardWarpgroupThreads = 128;
 constexpr int kBackwardConsumers = 2;
-constexpr int kBackwardThreads = (1 + kBackwardConsumers) * kBackwardWarpgroupThreads;
+constexpr int kBackwardThreads = (1 + kBackwardConsumers) * kWarpgroupThreads;
 constexpr int kConsumerKeys = 64;
 constexpr int kBackwardKeys = kBackwardConsumers * kConsumerKeys;
 // Queries per streamed tile: S^T and dP^T are m64n64 accumulators, 32 floats a thread each.
@@ -69,18 +68,17 @@ struct BackwardBarriers {
   uint64_t full[kBackwardStages], empty[kBackwardStages];
 };
 
-// Shared memory: tiles of 128-byte rows (64 columns of 16 bits), as TMA's widest swizzled box writes
-// them, a tile wider than 64 columns being several boxes one after the other: K and V (128 keys), 2
+// Shared memory: tiles of 128-byte rows in 64-column boxes (hopper.cuh): K and V (128 keys), 2
 // stages of q and dout (64 queries), 2 buffers of dS^T (128 keys x 64 queries), 2 stages of lse and
 // delta, the barriers. 162 KB at tile width 128, 98 KB at 64; 1 KB more lets the kernel start the tiles
 // on a 1024-byte boundary, which the swizzle needs (hopper.cuh).
 template <int kD>
 struct BackwardSharedLayout {
-  static constexpr int kRowBytes = 128;
+  static constexpr int kBoxes = kD / kBoxColumns;
   static constexpr int kKeyBoxBytes = kBackwardKeys * kRowBytes;
   static constexpr int kQueryBoxBytes = kBackwardQueries * kRowBytes;
-  static constexpr int kKeyTileBytes = kD / 64 * kKeyBoxBytes;
-  static constexpr int kQueryTileBytes = kD / 64 * kQueryBoxBytes;
+  static constexpr int kKeyTileBytes = kBoxes * kKeyBoxBytes;
+  static constexpr int kQueryTileBytes = kBoxes * kQueryBoxBytes;
   static constexpr int kScoreGradBytes = kBackwardKeys * kRowBytes;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKeyTileBytes;
@@ -103,9 +101,6 @@ struct BackwardBlock {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 constexpr int kBackwardConsumerWarps = kBackwardConsumers * 4;
-// As the forward: 384 threads start with 168 registers; the producer keeps 24, the consumers take 240.
-constexpr int kBackwardProducerRegisters = 24;
-constexpr int kBackwardConsumerRegisters = 240;
 // Named barriers (0 is __syncthreads): both consumers' dS^T is in shared memory; both are done reading
 // K; consumer c's dk and dv rows are staged for TMA (3 + c).
 constexpr int kScoreGradsBarrier = 1;
@@ -126,13 +121,9 @@ __device__ __forceinline__ void load_backward_tiles(const CUtensorMap* q_map, co
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   if (warp == 0 && lane == 0) {
     mbarrier_expect_bytes(&barriers.keys_full, 2 * Layout::kKeyTileBytes);
-#pragma unroll
-    for (int box = 0; box < kD / 64; ++box) {
-      tma_load_3d(tiles + Layout::kK + box * Layout::kKeyBoxBytes, k_map, box * 64, static_cast<int>(block.key0),
-                  static_cast<int>(block.kv), &barriers.keys_full);
-      tma_load_3d(tiles + Layout::kV + box * Layout::kKeyBoxBytes, v_map, box * 64, static_cast<int>(block.key0),
-                  static_cast<int>(block.kv), &barriers.keys_full);
-    }
+    const int key0 = static_cast<int>(block.key0), kv = static_cast<int>(block.kv);
+    tma_load_tile<Layout::kBoxes>(tiles + Layout::kK, Layout::kKeyBoxBytes, k_map, key0, kv, &barriers.keys_full);
+    tma_load_tile<Layout::kBoxes>(tiles + Layout::kV, Layout::kKeyBoxBytes, v_map, key0, kv, &barriers.keys_full);
   }
   if (warp > 1 || (warp == 0 && lane > 0)) return;
   const int64_t lq = shape.query_length;
@@ -146,14 +137,11 @@ __device__ __forceinline__ void load_backward_tiles(const CUtensorMap* q_map, co
       mbarrier_wait(&barriers.empty[stage], (n / kBackwardStages + 1) % 2);
       if (warp == 0) {
         mbarrier_expect_bytes(&barriers.full[stage], 2 * Layout::kQueryTileBytes);
-#pragma unroll
-        for (int box = 0; box < kD / 64; ++box) {
-          const int column = box * 64;
-          tma_load_3d(tiles + Layout::kQ + stage * Layout::kQueryTileBytes + box * Layout::kQueryBoxBytes, q_map,
-                      column, static_cast<int>(i0), static_cast<int>(bh), &barriers.full[stage]);
-          tma_load_3d(tiles + Layout::kDout + stage * Layout::kQueryTileBytes + box * Layout::kQueryBoxBytes,
-                      dout_map, column, static_cast<int>(i0), static_cast<int>(bh), &barriers.full[stage]);
-        }
+        const int offset = stage * Layout::kQueryTileBytes, row = static_cast<int>(i0), head = static_cast<int>(bh);
+        tma_load_tile<Layout::kBoxes>(tiles + Layout::kQ + offset, Layout::kQueryBoxBytes, q_map, row, head,
+                                      &barriers.full[stage]);
+        tma_load_tile<Layout::kBoxes>(tiles + Layout::kDout + offset, Layout::kQueryBoxBytes, dout_map, row, head,
+                                      &barriers.full[stage]);
       } else {
         // Rows past the last query get 0: their pairs are masked, and a finite lse keeps them from NaN.
 #pragma unroll
@@ -195,7 +183,7 @@ __device__ __forceinline__ void issue_accumulate_over_queries(float (&c)[kD / 8]
 #pragma unroll
   for (int step = 0; step < kBackwardQueries / 16; ++step) {
     wgmma_64xNx16_from_registers<T, kD>(
-        c, a[step], mn_major_descriptor(query_tile + step * 16 * Layout::kRowBytes, Layout::kQueryBoxBytes));
+        c, a[step], mn_major_descriptor(query_tile + step * 16 * kRowBytes, Layout::kQueryBoxBytes));
   }
 }
 
@@ -207,7 +195,7 @@ __device__ __forceinline__ void issue_query_grads(float (&dq)[kD / 16][4], uint3
   using Layout = BackwardSharedLayout<kD>;
 #pragma unroll
   for (int step = 0; step < kBackwardKeys / 16; ++step) {
-    const uint32_t rows = step * 16 * Layout::kRowBytes;
+    const uint32_t rows = step * 16 * kRowBytes;
     wgmma_64xNx16_shared<T, kD / 2, 1, 1>(dq, mn_major_descriptor(score_grads + rows, Layout::kScoreGradBytes),
                                           mn_major_descriptor(key_columns + rows, Layout::kKeyBoxBytes), step > 0);
   }
@@ -226,8 +214,8 @@ __device__ __forceinline__ void attend_backward(const AttentionShape& shape, con
   const int64_t lq = shape.query_length, d = shape.head_dim;
   const int64_t keys0 = block.key0 + consumer * kConsumerKeys;  // the warpgroup's first key
   const int64_t key0 = keys0 + warp * 16 + lane / 4;            // the thread's keys: key0 and key0 + 8
-  unsigned char* k_rows = tiles + Layout::kK + consumer * kConsumerKeys * Layout::kRowBytes;
-  unsigned char* v_rows = tiles + Layout::kV + consumer * kConsumerKeys * Layout::kRowBytes;
+  unsigned char* k_rows = tiles + Layout::kK + consumer * kConsumerKeys * kRowBytes;
+  unsigned char* v_rows = tiles + Layout::kV + consumer * kConsumerKeys * kRowBytes;
   const uint32_t k_rows_address = shared_address(k_rows), v_rows_address = shared_address(v_rows);
   const uint32_t q_stages = shared_address(tiles + Layout::kQ), dout_stages = shared_address(tiles + Layout::kDout);
   const int dq_column0 = consumer * kDqColumns;
@@ -276,7 +264,7 @@ __device__ __forceinline__ void attend_backward(const AttentionShape& shape, con
       }
       // dS^T into the warpgroup's 64 rows of this step's buffer, before wgmma may read ds (registers an
       // in-flight wgmma reads must not be touched).
-      store_swizzled_rows<T, kBackwardQueries>(score_grads + consumer * kConsumerKeys * Layout::kRowBytes,
+      store_swizzled_rows<T, kBackwardQueries>(score_grads + consumer * kConsumerKeys * kRowBytes,
                                                Layout::kScoreGradBytes, dp, 1.0f);
       fence_registers(dv);
       fence_registers(dk);
@@ -289,7 +277,7 @@ __device__ __forceinline__ void attend_backward(const AttentionShape& shape, con
       // wgmma reads shared memory through the async proxy: fence the dS^T stores for it, then wait for
       // the other consumer's half. dv and dk run on meanwhile.
       fence_shared_for_tma();
-      named_barrier_sync(kScoreGradsBarrier, kBackwardConsumers * kBackwardWarpgroupThreads);
+      named_barrier_sync(kScoreGradsBarrier, kBackwardConsumers * kWarpgroupThreads);
       float dq[kDqColumns / 8][4];
       wgmma_fence();
       issue_query_grads<T, kD>(dq, shared_address(score_grads), k_dq_columns);
@@ -308,19 +296,16 @@ __device__ __forceinline__ void attend_backward(const AttentionShape& shape, con
   // dk * scale and dv through the warpgroup's own rows of the K and V tiles, written by TMA (rows past
   // the last key and columns past head_dim skipped). The other consumer's dq may still read these rows of
   // K until it reaches the barrier.
-  named_barrier_sync(kKeysReadBarrier, kBackwardConsumers * kBackwardWarpgroupThreads);
+  named_barrier_sync(kKeysReadBarrier, kBackwardConsumers * kWarpgroupThreads);
   store_swizzled_rows<T, kD>(k_rows, Layout::kKeyBoxBytes, dk, static_cast<float>(shape.scale));
   store_swizzled_rows<T, kD>(v_rows, Layout::kKeyBoxBytes, dv, 1.0f);
   fence_shared_for_tma();
-  named_barrier_sync(kFirstStoreBarrier + consumer, kBackwardWarpgroupThreads);
-  if (threadIdx.x % kBackwardWarpgroupThreads == 0 && keys0 < shape.key_length) {
-#pragma unroll
-    for (int box = 0; box < kD / 64; ++box) {
-      tma_store_3d(dk_map, k_rows + box * Layout::kKeyBoxBytes, box * 64, static_cast<int>(keys0),
-                   static_cast<int>(block.kv));
-      tma_store_3d(dv_map, v_rows + box * Layout::kKeyBoxBytes, box * 64, static_cast<int>(keys0),
-                   static_cast<int>(block.kv));
-    }
+  named_barrier_sync(kFirstStoreBarrier + consumer, kWarpgroupThreads);
+  if (threadIdx.x % kWarpgroupThreads == 0 && keys0 < shape.key_length) {
+    tma_store_tile<Layout::kBoxes>(dk_map, k_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0),
+                                   static_cast<int>(block.kv));
+    tma_store_tile<Layout::kBoxes>(dv_map, v_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0),
+                                   static_cast<int>(block.kv));
     tma_store_wait_for_reads();
   }
 }
@@ -339,7 +324,7 @@ attention_backward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, cons
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = BackwardSharedLayout<kD>;
   extern __shared__ unsigned char shared_bytes[];
-  unsigned char* tiles = shared_bytes + (1024 - shared_address(shared_bytes) % 1024) % 1024;
+  unsigned char* tiles = swizzle_aligned(shared_bytes);
   BackwardBarriers& barriers = *reinterpret_cast<BackwardBarriers*>(tiles + Layout::kBarriers);
 
   // The mma.sync kernel's grid order: consecutive CTAs share a kv head, whose queries' q and dout stay in
@@ -368,16 +353,11 @@ attention_backward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, cons
   }
   __syncthreads();
 
-  // The role as the compiler can see it is the same across each warp (a broadcast from lane 0): else
-  // ptxas must assume wgmma in a divergent path and serializes every one (warning C7520).
-  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kBackwardWarpgroupThreads, 0);
-  if (warpgroup == 0) {
-    warpgroup_release_registers<kBackwardProducerRegisters>();
-    load_backward_tiles<kD>(&q_map, &k_map, &v_map, &dout_map, shape, lse, delta, tiles, barriers, block);
-  } else {
-    warpgroup_claim_registers<kBackwardConsumerRegisters>();
-    attend_backward<T, kD>(shape, &dk_map, &dv_map, dq_accumulator, tiles, barriers, block, warpgroup - 1);
-  }
+  run_warp_specialised(
+      [&] { load_backward_tiles<kD>(&q_map, &k_map, &v_map, &dout_map, shape, lse, delta, tiles, barriers, block); },
+      [&](int consumer) {
+        attend_backward<T, kD>(shape, &dk_map, &dv_map, dq_accumulator, tiles, barriers, block, consumer);
+      });
 #else
   __trap();  // only the sm_90a image holds this kernel, and the launcher starts it on no other GPU
 #endif
@@ -413,14 +393,11 @@ void launch_hopper_backward(const AttentionShape& shape, const CUtensorMap (&map
 bool launch_attention_backward_hopper(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                                       const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                       void* grad_k, void* grad_v, void* workspace, void* stream) {
-  const bool sixteen_bit = dtype == DType::Float16 || dtype == DType::BFloat16;
   const int64_t kv_heads = shape.batch_heads / shape.group, d = shape.head_dim;
   // TMA's coordinates, the kernel's key indices and the grid are 32-bit.
   const bool fits = shape.query_length < INT_MAX && shape.key_length < INT_MAX &&
                     kv_heads * ceil_div(shape.key_length, kBackwardKeys) < INT_MAX;
-  if (!kHopperImageBuilt || !hopper_attention_enabled() || !sixteen_bit || d > 128 || !fits || !is_hopper_device()) {
-    return false;
-  }
+  if (!fits || !hopper_attention_applies(dtype, d, 128)) return false;
   CUtensorMap maps[6];  // q, k, v, dout, dk, dv
   if (!encode_swizzled_tensor_map(&maps[0], dtype, q, shape.batch_heads, shape.query_length, d, kBackwardQueries) ||
       !encode_swizzled_tensor_map(&maps[1], dtype, k, kv_heads, shape.key_length, d, kBackwardKeys) ||

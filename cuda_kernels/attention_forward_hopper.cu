@@ -53,18 +53,15 @@
 namespace kernel_ladder {
 
 // The CTA: a producer warpgroup, then two consumer warpgroups of 64 queries each (wgmma's M).
-constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kHopperThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
 constexpr int kWarpgroupQueries = 64;
 constexpr int kHopperQueries = kConsumerWarpgroups * kWarpgroupQueries;
 constexpr int kHopperStages = 2;
 
-// Shared memory is tiles of rows (queries or keys) cut into boxes of 64 columns: 128-byte rows, TMA's
-// widest swizzled box. A tile kD wide is ceil(kD / 64) boxes; TMA zero-fills the columns past kD of the
-// last one, which cost shared memory but no tensor-core work: the products stop at kD.
-constexpr int kBoxColumns = 64;
-constexpr int kRowBytes = 128;
+// Shared memory is tiles of rows (queries or keys) in 64-column boxes (hopper.cuh). A tile kD wide is
+// ceil(kD / 64) boxes; TMA zero-fills the columns past kD of the last one, which cost shared memory but
+// no tensor-core work: the products stop at kD.
 constexpr int kQueryBoxBytes = kHopperQueries * kRowBytes;
 
 struct HopperBarriers {
@@ -100,10 +97,6 @@ struct HopperTile {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-// 384 threads start with 168 registers each (65,536 / 384, rounded down to a multiple of 8). The producer
-// hands back 144 a thread and the consumers take 72 more: 128 x 24 + 256 x 240 = 64,512 of 65,536.
-constexpr int kProducerRegisters = 24;
-constexpr int kConsumerRegisters = 240;
 // Named barriers: 1 and 2 are the consumers' turns to issue matmuls, 3 and 4 their epilogues (0 is
 // __syncthreads).
 constexpr int kFirstTurnBarrier = 1;
@@ -121,11 +114,8 @@ __device__ __forceinline__ void load_key_tile(const CUtensorMap* map, unsigned c
   const int stage = t % kHopperStages;
   mbarrier_wait(&empty[stage], (t / kHopperStages + 1) % 2);
   mbarrier_expect_bytes(&full[stage], Tile::kKeyTileBytes);
-#pragma unroll
-  for (int box = 0; box < Tile::kBoxes; ++box) {
-    tma_load_3d(stages + stage * Tile::kKeyTileBytes + box * Tile::kKeyBoxBytes, map, box * kBoxColumns,
-                key_begin + t * Tile::kKeys, kv_head, &full[stage]);
-  }
+  tma_load_tile<Tile::kBoxes>(stages + stage * Tile::kKeyTileBytes, Tile::kKeyBoxBytes, map,
+                              key_begin + t * Tile::kKeys, kv_head, &full[stage]);
 }
 
 // One thread issues every copy, in the order the consumers use them: q, K(0), then K(j + 1) before V(j),
@@ -138,10 +128,7 @@ __device__ __forceinline__ void load_tiles(const CUtensorMap* q_map, const CUten
   prefetch_tensor_map(k_map);
   prefetch_tensor_map(v_map);
   mbarrier_expect_bytes(&barriers.q_full, Tile::kQueryTileBytes);
-#pragma unroll
-  for (int box = 0; box < Tile::kBoxes; ++box) {
-    tma_load_3d(tiles + Tile::kQ + box * kQueryBoxBytes, q_map, box * kBoxColumns, query0, bh, &barriers.q_full);
-  }
+  tma_load_tile<Tile::kBoxes>(tiles + Tile::kQ, kQueryBoxBytes, q_map, query0, bh, &barriers.q_full);
   for (int t = 0; t <= key_tiles; ++t) {
     if (t < key_tiles) {
       load_key_tile<kD>(k_map, tiles + Tile::kK, barriers.k_full, barriers.k_empty, t, key_begin, kv_head);
@@ -211,8 +198,6 @@ __device__ __forceinline__ void online_softmax_of_tile(float (&s)[kKeys / 8][4],
 // out = o / l and lse = ln 2 * (m + log2 l) for the warpgroup's rows below query_length. o is rounded to T
 // into the warpgroup's own 64 rows of the q tile (its last q K^T has completed), in the 128-byte swizzled
 // layout, and TMA stores them: rows past the last query and columns past head_dim are not written.
-// Stores of one instruction go to 16-byte chunk n % 8 of their row XOR the row's index mod 8 (= lane / 4):
-// 8 rows x 4 lanes cover all 32 banks.
 template <typename T, int kD>
 __device__ __forceinline__ void store_rows(float (&o)[kD / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                            unsigned char* q_rows, const CUtensorMap* out_map, float* lse, int64_t bh,
@@ -233,22 +218,12 @@ __device__ __forceinline__ void store_rows(float (&o)[kD / 8][4], float (&row_ma
       o[n][2 * half + 1] *= inverse_sum;
     }
   }
-  const int g = lane / 4;
-#pragma unroll
-  for (int n = 0; n < kD / 8; ++n) {
-    unsigned char* top =
-        q_rows + n / 8 * kQueryBoxBytes + (warp * 16 + g) * kRowBytes + (n % 8 ^ g) * 16 + lane % 4 * 4;
-    *reinterpret_cast<uint32_t*>(top) = pack_pair<T>(o[n][0], o[n][1]);
-    *reinterpret_cast<uint32_t*>(top + 8 * kRowBytes) = pack_pair<T>(o[n][2], o[n][3]);
-  }
+  store_swizzled_rows<T, kD>(q_rows, kQueryBoxBytes, o, 1.0f);
   fence_shared_for_tma();
   named_barrier_sync(kFirstEpilogueBarrier + consumer, kWarpgroupThreads);
   if (threadIdx.x % kWarpgroupThreads == 0 && rows0 < query_length) {
-#pragma unroll
-    for (int box = 0; box < HopperTile<kD>::kBoxes; ++box) {
-      tma_store_3d(out_map, q_rows + box * kQueryBoxBytes, box * kBoxColumns, static_cast<int>(rows0),
-                   static_cast<int>(bh));
-    }
+    tma_store_tile<HopperTile<kD>::kBoxes>(out_map, q_rows, kQueryBoxBytes, static_cast<int>(rows0),
+                                           static_cast<int>(bh));
     tma_store_wait_for_reads();
   }
 }
@@ -372,7 +347,7 @@ attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, const
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = HopperTile<kD>;
   extern __shared__ unsigned char shared_bytes[];
-  unsigned char* tiles = shared_bytes + (1024 - shared_address(shared_bytes) % 1024) % 1024;
+  unsigned char* tiles = swizzle_aligned(shared_bytes);
   HopperBarriers& barriers = *reinterpret_cast<HopperBarriers*>(tiles + Tile::kBarriers);
 
   // The mma.sync kernel's grid order: consecutive CTAs share a (batch, head), whose K and V stay in L2,
@@ -399,19 +374,16 @@ attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, const
   }
   __syncthreads();
 
-  // The role as the compiler can see it is the same across each warp (a broadcast from lane 0): else
-  // ptxas must assume wgmma in a divergent path and serializes every one (warning C7520).
-  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
-  if (warpgroup == 0) {
-    warpgroup_release_registers<kProducerRegisters>();
-    if (threadIdx.x == 0) {
-      load_tiles<kD>(&q_map, &k_map, &v_map, tiles, barriers, static_cast<int>(i0), static_cast<int>(bh),
-                     static_cast<int>(bh / shape.group), key_begin, key_tiles);
-    }
-  } else {
-    warpgroup_claim_registers<kConsumerRegisters>();
-    attend<T, kD>(shape, &out_map, lse, tiles, barriers, warpgroup - 1, i0, bh, key_begin, key_tiles);
-  }
+  run_warp_specialised(
+      [&] {
+        if (threadIdx.x == 0) {
+          load_tiles<kD>(&q_map, &k_map, &v_map, tiles, barriers, static_cast<int>(i0), static_cast<int>(bh),
+                         static_cast<int>(bh / shape.group), key_begin, key_tiles);
+        }
+      },
+      [&](int consumer) {
+        attend<T, kD>(shape, &out_map, lse, tiles, barriers, consumer, i0, bh, key_begin, key_tiles);
+      });
 #else
   __trap();  // only the sm_90a image holds this kernel, and the launcher starts it on no other GPU
 #endif
@@ -450,14 +422,10 @@ bool launch_hopper_kernel(const AttentionShape& shape, const void* q, const void
 
 bool launch_attention_forward_hopper(DType dtype, const AttentionShape& shape, const void* q, const void* k,
                                      const void* v, void* out, void* lse, void* stream) {
-  const bool sixteen_bit = dtype == DType::Float16 || dtype == DType::BFloat16;
   // TMA's coordinates, the kernel's key indices and the grid are 32-bit.
   const bool fits = shape.query_length < INT_MAX && shape.key_length < INT_MAX &&
                     shape.batch_heads * ceil_div(shape.query_length, kHopperQueries) < INT_MAX;
-  if (!kHopperImageBuilt || !hopper_attention_enabled() || !sixteen_bit || shape.head_dim > 256 || !fits ||
-      !is_hopper_device()) {
-    return false;
-  }
+  if (!fits || !hopper_attention_applies(dtype, shape.head_dim, 256)) return false;
   // The tile widths: the common head dims (64, 80, 96, 128, 192, 256) run unpadded; between them a head dim
   // pads by at most 64 columns of tensor-core work (144 on the 192 tile: 1.33x what it needs). Each width
   // is one kernel per dtype.

@@ -1,4 +1,5 @@
-// The Hopper (sm_90a) building blocks of the flash-attention kernels (attention_forward_hopper.cu):
+// The Hopper (sm_90a) building blocks of the flash-attention kernels (attention_forward_hopper.cu,
+// attention_backward_hopper.cu):
 // TMA bulk copies, the mbarriers that say when a copy has landed or a buffer is free, warpgroup register
 // reallocation and named barriers, and wgmma, the warpgroup-wide matrix product that reads its operands
 // from shared memory. tensor_core.cuh is the same for mma.sync (sm_80+).
@@ -35,6 +36,13 @@
 #include "tensor_core.cuh"  // pack_pair
 
 namespace kernel_ladder {
+
+// Both Hopper kernels are warp-specialised CTAs of warpgroups (wgmma's unit: 4 warps, 128 threads), and
+// keep their tiles as TMA's widest 128-byte-swizzled box writes them: rows of 128 bytes, 64 columns of 16
+// bits, a tile wider than 64 columns being several boxes one after the other.
+constexpr int kWarpgroupThreads = 128;
+constexpr int kBoxColumns = 64;
+constexpr int kRowBytes = 128;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -106,6 +114,26 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 
+// A tile of kBoxes 64-column boxes (box_bytes apart in shared memory) whose rows start at `row` of matrix
+// `matrix`, onto `barrier`; and the same tile stored back.
+template <int kBoxes>
+__device__ __forceinline__ void tma_load_tile(void* shared, int box_bytes, const CUtensorMap* map, int row,
+                                              int matrix, uint64_t* barrier) {
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    tma_load_3d(static_cast<unsigned char*>(shared) + box * box_bytes, map, box * kBoxColumns, row, matrix, barrier);
+  }
+}
+
+template <int kBoxes>
+__device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, const void* shared, int box_bytes, int row,
+                                               int matrix) {
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    tma_store_3d(map, static_cast<const unsigned char*>(shared) + box * box_bytes, box * kBoxColumns, row, matrix);
+  }
+}
+
 // Closes this thread's bulk stores into a group and waits until they have read their shared memory (the
 // CTA may then exit: the writes to global memory complete on their own).
 __device__ __forceinline__ void tma_store_wait_for_reads() {
@@ -136,6 +164,34 @@ __device__ __forceinline__ void warpgroup_release_registers() {
 template <int kRegisters>
 __device__ __forceinline__ void warpgroup_claim_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// A CTA of one producer warpgroup and consumer warpgroups: 384 threads start with 168 registers each
+// (65,536 / 384, rounded down to a multiple of 8); the producer, which only issues copies, hands back 144
+// a thread and the consumers take 72 more: 128 x 24 + 256 x 240 = 64,512 of 65,536.
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
+
+// Runs producer() on warpgroup 0 and consumer(c) on warpgroup c + 1, each with its register budget. The
+// role as the compiler sees it is the same across each warp (a broadcast from lane 0): else ptxas must
+// assume wgmma in a divergent path and serialises every one (warning C7520). The two setmaxnreg sit in
+// one if/else, as ptxas requires (warning C7508).
+template <typename Producer, typename Consumer>
+__device__ __forceinline__ void run_warp_specialised(const Producer& producer, const Consumer& consumer) {
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
+  if (warpgroup == 0) {
+    warpgroup_release_registers<kProducerRegisters>();
+    producer();
+  } else {
+    warpgroup_claim_registers<kConsumerRegisters>();
+    consumer(warpgroup - 1);
+  }
+}
+
+// The first 1024-byte boundary in dynamic shared memory (the kernels ask for 1 KB more): the swizzle is
+// computed from address bits 7-9, so every 8-row atom must start there.
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* shared_bytes) {
+  return shared_bytes + (1024 - shared_address(shared_bytes) % 1024) % 1024;
 }
 
 // Barriers 1..15 of the CTA (0 is __syncthreads) among `threads` threads: bar.sync waits for them,
@@ -355,9 +411,9 @@ __device__ __forceinline__ void store_swizzled_rows(unsigned char* rows, int box
   const int g = lane / 4;
 #pragma unroll
   for (int n = 0; n < kColumns / 8; ++n) {
-    unsigned char* top = rows + n / 8 * box_bytes + (warp * 16 + g) * 128 + (n % 8 ^ g) * 16 + lane % 4 * 4;
+    unsigned char* top = rows + n / 8 * box_bytes + (warp * 16 + g) * kRowBytes + (n % 8 ^ g) * 16 + lane % 4 * 4;
     *reinterpret_cast<uint32_t*>(top) = pack_pair<T>(c[n][0] * scale, c[n][1] * scale);
-    *reinterpret_cast<uint32_t*>(top + 8 * 128) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
+    *reinterpret_cast<uint32_t*>(top + 8 * kRowBytes) = pack_pair<T>(c[n][2] * scale, c[n][3] * scale);
   }
 }
 
@@ -463,6 +519,15 @@ inline bool is_hopper_device() {
     answers[device].store(answer, std::memory_order_relaxed);
   }
   return answer == 1;
+}
+
+// Whether a Hopper kernel taking head dims up to widest_head_dim serves this call: the build holds the
+// sm_90a image, the caller has not turned the path off (hopper_attention_enabled, kernels.h), the inputs
+// are 16-bit and the current GPU is a Hopper.
+inline bool hopper_attention_applies(DType dtype, int64_t head_dim, int64_t widest_head_dim) {
+  const bool sixteen_bit = dtype == DType::Float16 || dtype == DType::BFloat16;
+  return kHopperImageBuilt && hopper_attention_enabled() && sixteen_bit && head_dim <= widest_head_dim &&
+         is_hopper_device();
 }
 
 }  // namespace kernel_ladder
