@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -122,12 +123,18 @@ void impl_on_every_device(torch::Library& m, const char* op) {
 }
 
 // A differentiable op: `forward` and `backward` on every device, and `autograd` (which calls
-// torch::autograd::Function<...>::apply) for the Autograd key of every backend.
+// torch::autograd::Function<...>::apply) for the Autograd key of every backend. The backward is first-order
+// only, and says so: its Autograd kernel is PyTorch's not-implemented node, so a second derivative (a
+// backward run with create_graph=True, then differentiated again) raises "derivative for ... is not
+// implemented". An op with no Autograd kernel at all would get PyTorch's default instead, a warning and
+// gradients silently left at zero. With grad mode off, as in every plain .backward(), the node just
+// passes the call on to the device kernel.
 template <auto* kForward, auto* kBackward, auto* kAutograd>
 void impl_differentiable(torch::Library& m, const char* forward, const char* backward) {
   impl_on_every_device<kForward>(m, forward);
   impl_on_every_device<kBackward>(m, backward);
   m.impl(forward, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kAutograd)));
+  m.impl(backward, torch::dispatch(c10::DispatchKey::Autograd, torch::autograd::autogradNotImplementedFallback()));
 }
 
 // Whether autograd will record this call: grad mode is on and some tensor input requires grad.

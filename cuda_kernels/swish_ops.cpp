@@ -152,8 +152,12 @@ TORCH_LIBRARY_IMPL(cuda_kernels, Meta, m) {
   m.impl("swish_forward_version", TORCH_FN(kernel_ladder::swish_forward_version));
 }
 
-// The Autograd key (every backend's) comes first for tensors that require grad. The backward op has no
-// autograd kernel: its own derivative (double backward) is not implemented.
+// The Autograd key (every backend's) comes first for tensors that require grad. The backward op's own
+// derivative (a second derivative of swish) and the earlier versions' (forward only, for timing) are not
+// implemented, and say so: PyTorch's not-implemented node raises when a gradient reaches it. With no
+// Autograd kernel at all, PyTorch would warn and leave those gradients silently at zero.
 TORCH_LIBRARY_IMPL(cuda_kernels, Autograd, m) {
   m.impl("swish_forward", TORCH_FN(kernel_ladder::swish_forward_autograd));
+  m.impl("swish_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("swish_forward_version", torch::autograd::autogradNotImplementedFallback());
 }

@@ -57,6 +57,28 @@ def test_attention_gradients_pass_float64_gradcheck(config, query_length, heads,
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("component,config", [
+    ("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": 6}), ("rms_norm", {"normalized_shape": 6}),
+    ("softmax", {"dim": -1}),
+])
+def test_a_second_derivative_raises_instead_of_coming_out_zero(component, config, level, device):
+    """Our backward kernels are first-order only. A backward run with create_graph=True still gives the
+    right first derivative; differentiating that again must raise, not return zeros (softmax's second
+    derivative is not zero, and PyTorch's default for an op without an autograd formula is a warning and
+    a zero gradient)."""
+    module = levels.build(component, level, **config).to(device=device, dtype=torch.float64)
+    reference = levels.build(component, "native", **config).to(device=device, dtype=torch.float64)
+    (x,) = module.example_inputs((3, 6), torch.float64, device)
+    x.requires_grad_(True)
+    direction = torch.randn_like(x, requires_grad=True)
+    (first,) = torch.autograd.grad(module(x), x, direction, create_graph=True)
+    (expected,) = torch.autograd.grad(reference(x), x, direction)
+    torch.testing.assert_close(first, expected)
+    with pytest.raises(RuntimeError, match="differentiate twice|not implemented"):
+        first.sum().backward()
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
     backend = NAMESPACES[level][1]()

@@ -32,7 +32,7 @@ import torch
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import launch_attention_fwd
 from .attention_tiles import check_attention_shapes
-from .launch import accumulator_dtype
+from .launch import EagerFunction, accumulator_dtype, first_order_only
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
 
@@ -88,7 +88,7 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, window, scale)
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _AttentionEager(torch.autograd.Function):
+class _AttentionEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -102,7 +102,7 @@ class _AttentionEager(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         grad_q, grad_k, grad_v = launch_attention_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors,
                                                                 *ctx.mask_and_scale)

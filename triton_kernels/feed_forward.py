@@ -66,7 +66,7 @@ Check
 
 import torch
 
-from .launch import check_contiguous, check_inputs, require
+from .launch import EagerFunction, check_contiguous, check_inputs, first_order_only, require
 from .matmul import Epilogue, launch_column_sum, launch_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
@@ -293,7 +293,7 @@ def _feed_forward_backward_fake(grad_out, x, fc_weight, proj_weight, pre_activat
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _LinearEager(torch.autograd.Function):
+class _LinearEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -303,13 +303,13 @@ class _LinearEager(torch.autograd.Function):
         return launch_linear_fwd(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_weight, grad_bias = launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias if ctx.has_bias else None
 
 
-class _FeedForwardEager(torch.autograd.Function):
+class _FeedForwardEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -320,7 +320,7 @@ class _FeedForwardEager(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd_unchecked(
             grad_out.contiguous(), *ctx.saved_tensors)

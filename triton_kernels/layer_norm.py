@@ -58,11 +58,13 @@ import triton
 import triton.language as tl
 
 from .launch import (
+    EagerFunction,
     accumulator_dtype,
     cdiv,
     check_contiguous,
     check_inputs,
     compute_dtype,
+    first_order_only,
     launch,
     on_device,
     require,
@@ -291,7 +293,7 @@ def _layer_norm_backward_fake(grad_out, x, weight, mean, rstd):
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _LayerNormEager(torch.autograd.Function):
+class _LayerNormEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -301,7 +303,7 @@ class _LayerNormEager(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_weight, grad_bias = launch_norm_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias, None

@@ -56,11 +56,13 @@ import triton.language as tl
 
 from .launch import (
     LOOPED_ROW_BLOCK,
+    EagerFunction,
     accumulator_dtype,
     check_contiguous,
     check_inputs,
     compute_dtype,
     elementwise_launch,
+    first_order_only,
     launch,
     next_power_of_2,
     on_device,
@@ -299,7 +301,7 @@ def _linear_cross_entropy_backward_fake(grad_loss, grad_hidden, grad_weight):
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _LinearCrossEntropyEager(torch.autograd.Function):
+class _LinearCrossEntropyEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -310,7 +312,7 @@ class _LinearCrossEntropyEager(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_loss):
         return *launch_linear_cross_entropy_bwd_unchecked(grad_loss, *ctx.saved_tensors), None, None, None
 

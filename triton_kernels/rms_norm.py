@@ -26,7 +26,7 @@ Check
 
 import torch
 
-from .launch import accumulator_dtype, check_inputs
+from .launch import EagerFunction, accumulator_dtype, check_inputs, first_order_only
 from .layer_norm import check_norm_shapes, launch_norm_fwd
 from .layer_norm_backward import launch_norm_bwd_unchecked
 
@@ -94,7 +94,7 @@ def _rms_norm_backward_fake(grad_out, x, weight, rstd):
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _RMSNormEager(torch.autograd.Function):
+class _RMSNormEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -104,7 +104,7 @@ class _RMSNormEager(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         grad_x, grad_weight, _ = launch_norm_bwd_unchecked(grad_out.contiguous(), x, weight, None, rstd)

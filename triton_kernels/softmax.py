@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix,
-                     row_strategy, row_tile)
+from .launch import (EagerFunction, cdiv, check_contiguous, check_inputs, compute_dtype, first_order_only, launch,
+                     on_device, require, row_matrix, row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
@@ -259,7 +259,7 @@ def _softmax_backward_fake(grad_out, y):
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _SoftmaxEager(torch.autograd.Function):
+class _SoftmaxEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -269,7 +269,7 @@ class _SoftmaxEager(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         (y,) = ctx.saved_tensors
         return launch_softmax_bwd_unchecked(grad_out.contiguous(), y)

@@ -34,10 +34,12 @@ import triton
 import triton.language as tl
 
 from .launch import (
+    EagerFunction,
     check_contiguous,
     check_inputs,
     compute_dtype,
     elementwise_launch,
+    first_order_only,
     launch,
     on_device,
     require,
@@ -159,7 +161,7 @@ def _swish_backward_fake(grad_out, x, beta):
 # --- what the levels call ------------------------------------------------------------------------------
 
 
-class _SwishEager(torch.autograd.Function):
+class _SwishEager(EagerFunction):
     """The ops' forward and backward without the dispatcher, for eager calls (see __init__.py)."""
 
     @staticmethod
@@ -169,7 +171,7 @@ class _SwishEager(torch.autograd.Function):
         return launch_swish_fwd(x, beta)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         return launch_swish_bwd_unchecked(grad_out.contiguous(), x, ctx.beta), None
