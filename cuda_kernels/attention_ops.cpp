@@ -229,6 +229,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   return out;
 }
 
+// Inference only, and the Autograd key says so: with a gradient asked for, the output would carry no graph,
+// and the gradients of everything before it would be silently missing (PyTorch's default for an op with no
+// Autograd kernel: a warning, then None).
+at::Tensor decode_attention_autograd(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key_lengths,
+                                     int64_t window, double scale) {
+  TORCH_CHECK(!records_gradient(q, k_new, v_new), "cuda_kernels::decode_attention is inference only (it has no "
+              "backward): call it under torch.no_grad(), or use attention_forward where gradients are wanted");
+  return call_below_autograd<&decode_attention>("cuda_kernels::decode_attention", q, k_new, v_new, k_cache, v_cache,
+                                                key_lengths, window, scale);
+}
+
 // One process-wide switch, read by every launch, so that a benchmark or a lesson can time both forward
 // kernels on one Hopper GPU (cuda_kernels.ops.portable_attention()). A CPU-only build keeps it too: there
 // it only stores the flag.
@@ -252,6 +264,7 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor key_lengths, int window, float scale) -> Tensor");
   kernel_ladder::impl_on_every_device<&kernel_ladder::decode_attention>(m, "decode_attention");
+  m.impl("decode_attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kernel_ladder::decode_attention_autograd)));
   // No tensor argument, so no device to dispatch on: one kernel for every backend.
   m.def("use_hopper_attention(bool enable) -> bool");
   m.impl("use_hopper_attention", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,

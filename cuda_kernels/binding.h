@@ -33,6 +33,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "kernels.h"
 
@@ -153,11 +154,12 @@ bool records_gradient(const Inputs&... inputs) {
 }
 
 // The op whose host wrapper is kWrapper, named `name`, called below autograd (found once, then kept).
+// The arguments are forwarded as they come: an op that writes into a tensor (a KV cache) takes it as Tensor&.
 template <auto* kWrapper, typename... Args>
-auto call_below_autograd(const char* name, const Args&... args) {
+auto call_below_autograd(const char* name, Args&&... args) {
   static const auto op = find_op<std::remove_pointer_t<decltype(kWrapper)>>(name);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(args...);
+  return op.call(std::forward<Args>(args)...);
 }
 
 // `grad` if autograd asked for the gradient of the forward's `tensor_index`-th tensor input, else an

@@ -191,6 +191,21 @@ def test_attention_empty_batch_gives_empty_outputs_and_gradients(level, device, 
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_decode_attention_with_a_gradient_wanted_is_refused_not_silently_cut_from_the_graph(level, device):
+    """The decode kernels have no backward. An output with no graph would leave every gradient before it
+    silently missing, so a call that asks for one raises; under torch.no_grad the same call runs."""
+    module = levels.build("attention", level)
+    q = torch.randn(1, 2, 1, 16, device=device, requires_grad=True)
+    k_new, v_new = torch.randn(2, 1, 2, 1, 16, device=device)
+    k_cache, v_cache = torch.randn(2, 1, 2, 8, 16, device=device)
+    key_lengths = torch.tensor([5], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match=r"decode_attention is inference only.*torch\.no_grad"):
+        module.decode(q, k_new, v_new, k_cache, v_cache, key_lengths)
+    with torch.no_grad():
+        assert module.decode(q, k_new, v_new, k_cache, v_cache, key_lengths).shape == q.shape
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 def test_attention_non_contiguous_inputs_get_the_right_answer(level, device):
     module, reference = build_pair("attention", level, {"causal": True, "window": 5}, device, torch.float32)
     # (batch, seq, heads, head_dim) memory seen as (batch, heads, seq, head_dim): the layout a fused

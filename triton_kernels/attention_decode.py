@@ -167,6 +167,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     """Write each sequence's new key and value at position ``key_lengths[b] − 1`` of the static caches
     and attend its query over the first ``key_lengths[b]`` positions (see the module docstring);
     inference only. torch.compile sees the registered op."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_new.requires_grad or v_new.requires_grad):
+        # The output would carry no graph: the gradients of everything before it would be silently missing.
+        raise RuntimeError("triton_kernels::decode_attention is inference only (it has no backward): call it under "
+                           "torch.no_grad(), or use attention() where gradients are wanted")
     if torch.compiler.is_compiling():
         return decode_attention_op(q, k_new, v_new, k_cache, v_cache, key_lengths, int(window), float(scale))
     return launch_attention_decode(q, k_new, v_new, k_cache, v_cache, key_lengths, int(window), float(scale))
