@@ -168,12 +168,14 @@ void launch_gelu_backward(DType dtype, void* grad, const void* pre_activation, v
                           int64_t strips, int64_t rows, int64_t n, void* stream);
 
 // The fused LM head + cross-entropy around its matmuls (linear_cross_entropy_ops.cpp runs those).
-// logits (rows, n) holds one chunk of hidden @ weight^T. Row r's loss term, logsumexp(logits[r]) -
+// logits (rows, n) holds one chunk of hidden @ weight^T, row r starting at logits + r * row_stride
+// (row_stride >= n: the binding pads rows for cuBLAS, see linear_cross_entropy_ops.cpp). Row r's loss term, logsumexp(logits[r]) -
 // logits[r][targets[r]], goes to row_losses[r] (accumulator type), 0 where targets[r] == ignore_index.
 // With write_gradient the row is overwritten in place with (softmax(row) - onehot(target)) * scale,
 // zeros for an ignored row. Every other target is in [0, n) (the binding checked it).
 void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
-                               int64_t n, int64_t ignore_index, double scale, bool write_gradient, void* stream);
+                               int64_t n, int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient,
+                               void* stream);
 // loss (one accumulator-type value) = the sum of row_losses (rows values) * inverse_count, summed in
 // one fixed order: the same bits on every run.
 void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count, void* stream);
@@ -215,7 +217,7 @@ void gelu_forward_cpu(DType dtype, const void* pre_activation, void* activation,
 void column_sum_cpu(DType dtype, const void* matrix, void* sums, int64_t rows, int64_t n);
 void gelu_backward_cpu(DType dtype, void* grad, const void* pre_activation, void* grad_bias, int64_t rows, int64_t n);
 void cross_entropy_rows_cpu(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows, int64_t n,
-                            int64_t ignore_index, double scale, bool write_gradient);
+                            int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient);
 void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count);
 void scale_by_device_scalar_cpu(DType dtype, const void* x, const void* factor, void* out, int64_t numel);
 void adamw_step_cpu(DType dtype, const AdamWTensors& tensors, const AdamWFactors& factors);

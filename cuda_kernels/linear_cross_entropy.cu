@@ -24,8 +24,10 @@
 //   The row's statistics use softmax.cu's merge: each thread folds its values into a (max, sum of
 //   exp(x - max)) pair, pairs merge exactly, (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)), and
 //   the block's pairs meet in one block_reduce.
-//   Rows start wherever the vocabulary puts them (50257 is odd): each row is read as a few single values
-//   up to its first 16-byte boundary, then 16-byte packs, then the few values after the last pack.
+//   The binding pads each row of the chunk to a multiple of kLogitsRowAlignment values, so rows start
+//   16-byte aligned even for GPT-2's odd 50257 (cuBLAS needs that, linear_cross_entropy_ops.cpp says why);
+//   a row that does not is still read right: a few single values up to its first 16-byte boundary, then
+//   16-byte packs, then the few values after the last pack.
 //
 // Limits
 //   n >= 1 values a row, rows < 2^31 a chunk. float16, bfloat16, float32 (computed in float32, loss
@@ -51,8 +53,8 @@ constexpr int kElementwiseThreads = 256;
 
 // Visits this thread's share of a row of n values: on_value(i) for the single values before the
 // row's first 16-byte boundary and after its last whole pack, on_pack(i) for the pack at i..i+kVec-1.
-// A 16-byte load from an address that is not a multiple of 16 faults, and a chunk's rows start at
-// row * n, so with an odd vocabulary every other row is misaligned: the head realigns each one.
+// A 16-byte load from an address that is not a multiple of 16 faults: the head realigns a row that
+// starts between two boundaries.
 template <typename T, typename OnPack, typename OnValue>
 __device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, OnPack on_pack, OnValue on_value) {
   constexpr int kVec = kVecOf<T>;
@@ -70,10 +72,10 @@ __device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, OnPack 
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
 cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>* __restrict__ row_losses, int64_t n,
-                          int64_t ignore_index, Acc<T> scale, bool write_gradient) {
+                          int64_t row_stride, int64_t ignore_index, Acc<T> scale, bool write_gradient) {
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
-  T* row = logits + int64_t{blockIdx.x} * n;
+  T* row = logits + int64_t{blockIdx.x} * row_stride;
   const int64_t target = targets[blockIdx.x];
   if (target == ignore_index) {  // the whole block leaves here: no barrier waits for it
     if (threadIdx.x == 0) row_losses[blockIdx.x] = A(0);
@@ -144,12 +146,13 @@ scale_by_device_scalar_kernel(const T* __restrict__ x, const Acc<T>* __restrict_
 // --- launchers -----------------------------------------------------------------------------------
 
 void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
-                               int64_t n, int64_t ignore_index, double scale, bool write_gradient, void* stream) {
+                               int64_t n, int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient,
+                               void* stream) {
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     const int threads = std::min(kRowThreads, row_threads(n, kPacksPerThread * kVecOf<T>));
     cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, ignore_index, Acc<T>(scale),
+        static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, Acc<T>(scale),
         write_gradient);
   });
 }

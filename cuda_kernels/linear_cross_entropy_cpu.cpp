@@ -51,11 +51,11 @@ std::pair<T, T> row_max_and_sum(const T* __restrict row, int64_t n) {
 }
 
 template <typename T>
-void cross_entropy_rows(T* logits, const int64_t* targets, T* row_losses, int64_t rows, int64_t n, int64_t ignore_index,
-                        T scale, bool write_gradient) {
+void cross_entropy_rows(T* logits, const int64_t* targets, T* row_losses, int64_t rows, int64_t n, int64_t row_stride,
+                        int64_t ignore_index, T scale, bool write_gradient) {
 #pragma omp parallel for schedule(static) if (rows * n >= kMinParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
-    T* __restrict row = logits + r * n;
+    T* __restrict row = logits + r * row_stride;
     const int64_t target = targets[r];
     if (target == ignore_index) {
       row_losses[r] = T(0);
@@ -83,11 +83,11 @@ void scale_by_device_scalar(const T* __restrict x, T factor, T* __restrict out, 
 }  // namespace
 
 void cross_entropy_rows_cpu(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows, int64_t n,
-                            int64_t ignore_index, double scale, bool write_gradient) {
+                            int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient) {
   dispatch_cpu_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    cross_entropy_rows<T>(static_cast<T*>(logits), targets, static_cast<T*>(row_losses), rows, n, ignore_index, T(scale),
-                          write_gradient);
+    cross_entropy_rows<T>(static_cast<T*>(logits), targets, static_cast<T*>(row_losses), rows, n, row_stride, ignore_index,
+                          T(scale), write_gradient);
   });
 }
 

@@ -34,6 +34,13 @@ namespace {
 // multiples of 128 rows, the height of cuBLAS's larger tiles, so only the last chunk has a partial tile.
 constexpr int64_t kLogitsPerChunk = int64_t{1} << 27;
 constexpr int64_t kChunkRowMultiple = 128;
+// Each row of the logits buffer is padded to a multiple of 64 values (128 bytes in bfloat16), and cuBLAS
+// is handed that leading dimension. With GPT-2's own vocabulary, 50257 (odd), unpadded rows would give the
+// logits operand of all three GEMMs a leading dimension of 50257 values: not a multiple of 16 bytes, which
+// cuBLAS's fastest kernels require (Hopper's TMA copies need 16-byte aligned strides). The same reason has
+// nanoGPT and our own GPT round the vocabulary up to 50304; here the model keeps its 50257 and only the
+// scratch buffer is wider (by at most 63 columns).
+constexpr int64_t kLogitsRowAlignment = 64;
 
 int64_t choose_chunk_rows(int64_t tokens, int64_t vocabulary, int64_t requested) {
   int64_t rows = requested;
@@ -102,7 +109,9 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
   const at::Tensor h = hidden.contiguous(), w = weight.contiguous(), t = targets.contiguous();
   const int64_t rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows);
   const double scale = 1.0 / static_cast<double>(valid);
-  at::Tensor logits = at::empty({rows_per_chunk, vocabulary}, h.options());  // reused by every chunk
+  const int64_t row_stride = (vocabulary + kLogitsRowAlignment - 1) / kLogitsRowAlignment * kLogitsRowAlignment;
+  // Reused by every chunk: (rows_per_chunk, vocabulary) with rows row_stride apart.
+  at::Tensor logits = at::empty({rows_per_chunk, row_stride}, h.options()).narrow(1, 0, vocabulary);
   at::Tensor row_losses = at::empty({tokens}, loss_options);
   at::Tensor grad_hidden = at::empty_symint(gradient_shape(h), h.options());
   at::Tensor grad_weight = at::empty_symint(gradient_shape(w), h.options());
@@ -118,11 +127,11 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
         h,
         [&](void* stream) {
           launch_cross_entropy_rows(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                    ignore_index, scale, compute_gradients, stream);
+                                    row_stride, ignore_index, scale, compute_gradients, stream);
         },
         [&] {
           cross_entropy_rows_cpu(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                 ignore_index, scale, compute_gradients);
+                                 row_stride, ignore_index, scale, compute_gradients);
         });
     if (!compute_gradients) continue;
     at::Tensor chunk_grad_hidden = grad_hidden.narrow(0, start, rows);

@@ -58,6 +58,7 @@ from .launch import (
     LOOPED_ROW_BLOCK,
     EagerFunction,
     accumulator_dtype,
+    cdiv,
     check_contiguous,
     check_inputs,
     compute_dtype,
@@ -79,6 +80,13 @@ launches), small enough that the logits cost a sixth of the 1.65 GB they would w
 CHUNK_ROW_MULTIPLE = 128
 """Chunks start on a multiple of 128 rows, the height of the large matmul tiles: only the last
 chunk's matmuls have a partial tile-row."""
+
+LOGITS_ROW_ALIGNMENT = 64
+"""The logits buffer's rows are padded to a multiple of this many values (128 bytes in bfloat16). With
+GPT-2's own vocabulary, 50257 (odd), unpadded rows would start every other row off a 16-byte boundary:
+the matmuls that read the logits back (grad_hidden, grad_weight) could then not prove their tiles'
+rows aligned, and Triton loads them without 16-byte vectors (or Hopper's TMA, which needs 16-byte
+aligned strides). Only the scratch buffer is wider, by at most 63 columns; the model keeps its 50257."""
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -137,10 +145,10 @@ def choose_chunk_rows(tokens: int, vocabulary: int, requested: int = 0) -> int:
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, V, ignore_index, n_valid, BLOCK_V: tl.constexpr,
-                               COMPUTE: tl.constexpr, WRITE_GRADIENT: tl.constexpr):
+def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, V, row_stride, ignore_index, n_valid,
+                               BLOCK_V: tl.constexpr, COMPUTE: tl.constexpr, WRITE_GRADIENT: tl.constexpr):
     row = tl.program_id(0)
-    Logits += row.to(tl.int64) * V
+    Logits += row.to(tl.int64) * row_stride
     target = tl.load(Targets + row)
     valid = target != ignore_index
     cols = tl.arange(0, BLOCK_V)
@@ -195,7 +203,9 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
 
     rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows)
     starts = range(0, tokens, rows_per_chunk)
-    logits = hidden.new_empty((min(rows_per_chunk, tokens), vocabulary))  # one chunk's, reused by every chunk
+    # One chunk's logits, reused by every chunk: (rows, vocabulary), rows padded apart (LOGITS_ROW_ALIGNMENT).
+    row_stride = cdiv(vocabulary, LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
+    logits = hidden.new_empty((min(rows_per_chunk, tokens), row_stride))[:, :vocabulary]
     row_losses = hidden.new_empty(tokens, dtype=loss_dtype)
     grad_hidden, grad_weight = hidden.new_empty(0), weight.new_empty(0)
     if compute_gradients:
@@ -210,7 +220,7 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
             chunk_logits = logits[:hidden_chunk.shape[0]]
             launch_matmul(hidden_chunk, weight.t(), out=chunk_logits)
             launch(_cross_entropy_rows_kernel, (hidden_chunk.shape[0],), chunk_logits, targets[start:],
-                   row_losses[start:], vocabulary, ignore_index, n_valid, BLOCK_V=block_v,
+                   row_losses[start:], vocabulary, row_stride, ignore_index, n_valid, BLOCK_V=block_v,
                    COMPUTE=compute_dtype(hidden.dtype), WRITE_GRADIENT=compute_gradients,
                    num_warps=max(1, block_v // 512))  # 16 values a thread
             if compute_gradients:  # chunk_logits now holds the logits' gradient

@@ -212,7 +212,7 @@ def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
-def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
@@ -240,7 +240,8 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, 
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
     mask = (rows < M)[:, None] & col_mask[None, :]
-    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]  # of the (M, N) pre-activation
+    c_offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]  # C's rows may be padded apart
     if EPILOGUE == "gelu_backward":
         pre_activation = tl.load(PreActivation + offsets, mask=mask, other=0.0).to(COMPUTE)
         acc *= _gelu_tanh_derivative(pre_activation)
@@ -249,8 +250,8 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, 
     if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
         acc = _gelu_tanh(acc)
     if EPILOGUE == "accumulate":
-        acc += tl.load(C + offsets, mask=mask, other=0.0).to(COMPUTE)
-    tl.store(C + offsets, acc.to(C.dtype.element_ty), mask=mask)
+        acc += tl.load(C + c_offsets, mask=mask, other=0.0).to(COMPUTE)
+    tl.store(C + c_offsets, acc.to(C.dtype.element_ty), mask=mask)
 
 
 _matmul_autotuned = triton.autotune(
@@ -278,8 +279,9 @@ def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
                   pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype, or into ``out``,
-    a contiguous (M, N) tensor of any float dtype (ACCUMULATE adds to it). ``a`` and ``b`` may be any
-    strided views. ``pre_activation`` is the (M, N) tensor H: written by GELU_SAVING_PRE_ACTIVATION,
+    an (M, N) tensor of any float dtype whose rows are contiguous and may stand apart (a narrowed view of
+    a wider buffer: ``linear_cross_entropy`` pads its logits' rows); ACCUMULATE adds to it. ``a`` and ``b``
+    may be any strided views. ``pre_activation`` is the (M, N) tensor H: written by GELU_SAVING_PRE_ACTIVATION,
     read by GELU_BACKWARD.
 
     Unchecked: the callers (the launchers of feed_forward.py and linear_cross_entropy.py) check their
@@ -290,7 +292,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride())
+    args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride(), out.stride(0))
     tile = _tile_choice(a.dtype, M * N * K)
     constants = _matmul_constants(epilogue, bias is not None, a.dtype, tile)
     with on_device(a):
