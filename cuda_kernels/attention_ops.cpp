@@ -156,13 +156,12 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(attention_backward)>("cuda_kernels::attention_backward");
     const at::Tensor none;
     if (!grad_outputs[0].defined()) return {none, none, none, none, none, none};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_q, grad_k, grad_v] =
-        op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["window"].toInt(), ctx->saved_data["scale"].toDouble());
+    auto [grad_q, grad_k, grad_v] = call_backward_op<&attention_backward>(
+        "cuda_kernels::attention_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(), ctx->saved_data["scale"].toDouble());
     return {if_needed(ctx, 0, grad_q), if_needed(ctx, 1, grad_k), if_needed(ctx, 2, grad_v), none, none, none};
   }
 };

@@ -162,6 +162,19 @@ auto call_below_autograd(const char* name, Args&&... args) {
   return op.call(std::forward<Args>(args)...);
 }
 
+// A backward op, called from a torch::autograd::Function's backward. A plain .backward() runs that with
+// grad mode off: nothing will be recorded, so the call goes below autograd, past the op's Autograd kernel
+// (impl_differentiable's not-implemented node: a boxed call that would only pass it on). Under
+// create_graph=True it goes through that kernel, which records a node that raises if differentiated.
+// swish_ops.cpp writes this out.
+template <auto* kWrapper, typename... Args>
+auto call_backward_op(const char* name, Args&&... args) {
+  static const auto op = find_op<std::remove_pointer_t<decltype(kWrapper)>>(name);
+  if (at::GradMode::is_enabled()) return op.call(std::forward<Args>(args)...);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(std::forward<Args>(args)...);
+}
+
 // `grad` if autograd asked for the gradient of the forward's `tensor_index`-th tensor input, else an
 // undefined tensor (None). The index counts tensors only: numbers and absent (None) tensors have no edge
 // in the graph.

@@ -126,9 +126,9 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(linear_backward)>("cuda_kernels::linear_backward");
     const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_weight, grad_bias] = op.call(grad_outputs[0], saved[0], saved[1]);
+    auto [grad_x, grad_weight, grad_bias] =
+        call_backward_op<&linear_backward>("cuda_kernels::linear_backward", grad_outputs[0], saved[0], saved[1]);
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), has_bias ? if_needed(ctx, 2, grad_bias) : at::Tensor()};
   }
@@ -234,12 +234,11 @@ struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunctio
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(feed_forward_backward)>("cuda_kernels::feed_forward_backward");
     const at::Tensor none;
     if (!grad_outputs[0].defined()) return {none, none, none, none, none};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias] =
-        op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4]);
+    auto [grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias] = call_backward_op<&feed_forward_backward>(
+        "cuda_kernels::feed_forward_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4]);
     // Tensor inputs in order: x, fc_weight, (fc_bias), proj_weight, (proj_bias).
     if (ctx->saved_data["has_bias"].toBool()) {
       return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_fc_weight), if_needed(ctx, 2, grad_fc_bias),

@@ -121,10 +121,10 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(layer_norm_backward)>("cuda_kernels::layer_norm_backward");
     if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_weight, grad_bias] = op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3]);
+    auto [grad_x, grad_weight, grad_bias] = call_backward_op<&layer_norm_backward>(
+        "cuda_kernels::layer_norm_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3]);
     return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), if_needed(ctx, 2, grad_bias), at::Tensor()};
   }
 };
@@ -212,10 +212,10 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(rms_norm_backward)>("cuda_kernels::rms_norm_backward");
     if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_weight] = op.call(grad_outputs[0], saved[0], saved[1], saved[2]);
+    auto [grad_x, grad_weight] =
+        call_backward_op<&rms_norm_backward>("cuda_kernels::rms_norm_backward", grad_outputs[0], saved[0], saved[1], saved[2]);
     return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), at::Tensor()};
   }
 };

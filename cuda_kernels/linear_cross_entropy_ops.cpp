@@ -200,11 +200,11 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(linear_cross_entropy_backward)>("cuda_kernels::linear_cross_entropy_backward");
     const at::Tensor none;
     if (!grad_outputs[0].defined()) return {none, none, none, none, none};
     const auto saved = ctx->get_saved_variables();
-    auto [grad_hidden, grad_weight] = op.call(grad_outputs[0], saved[0], saved[1]);
+    auto [grad_hidden, grad_weight] = call_backward_op<&linear_cross_entropy_backward>(
+        "cuda_kernels::linear_cross_entropy_backward", grad_outputs[0], saved[0], saved[1]);
     // Tensor inputs in order: hidden, weight, targets (integers: no gradient).
     return {if_needed(ctx, 0, grad_hidden), if_needed(ctx, 1, grad_weight), none, none, none};
   }

@@ -69,8 +69,8 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = find_op<decltype(softmax_backward)>("cuda_kernels::softmax_backward");
-    return {op.call(grad_outputs[0], ctx->get_saved_variables()[0])};
+    return {call_backward_op<&softmax_backward>("cuda_kernels::softmax_backward", grad_outputs[0],
+                                                ctx->get_saved_variables()[0])};
   }
 };
 

@@ -100,6 +100,11 @@ struct SwishFunction : public torch::autograd::Function<SwishFunction> {
                                                  torch::autograd::variable_list grad_outputs) {
     static const auto swish_backward_op = find_op<decltype(swish_backward)>("cuda_kernels::swish_backward");
     const at::Tensor x = ctx->get_saved_variables()[0];
+    // A plain .backward() runs this with grad mode off: nothing will be recorded, so straight below
+    // autograd, past swish_backward's Autograd kernel (a boxed not-implemented node that would only pass
+    // the call on). Under create_graph=True that kernel runs and makes a second derivative raise.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     // Autograd may hand us a broadcast (stride-0) gradient, e.g. from y.sum().backward(); the wrapper
     // makes it contiguous, copying only then.
     const at::Tensor grad_x = swish_backward_op.call(grad_outputs[0], x, ctx->saved_data["beta"].toDouble());
