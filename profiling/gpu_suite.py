@@ -9,6 +9,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part kernels   --out profiling/results/h100   # component benchmarks
     python -m profiling.gpu_suite --part attention --out profiling/results/h100   # attention against cuDNN
     python -m profiling.gpu_suite --part huggingface --out profiling/results/h100 # transformers GPT-2, patched
+    python -m profiling.gpu_suite --part breakdown --out profiling/results/h100   # a training step, kernel by kernel
     python -m profiling.gpu_suite --part models    --out profiling/results/h100   # GPT-2 small training
     python -m profiling.gpu_suite --part generation --out profiling/results/h100  # GPT-2 small generation
     python -m profiling.gpu_suite --part overhead  --out profiling/results/h100   # one call at decode size
@@ -24,6 +25,8 @@ Without --part every part runs in turn. Each part writes, under --out:
     benchmarks.csv/.png      kernels: one row per component × dtype × pass × level, as compare_optimization_levels
     attention.csv/.png       attention: causal attention at long sequences, GPT-2's shape and five head dims
     huggingface.csv          huggingface: transformers' GPT-2 small, unpatched and patched at each level
+    breakdown.csv            breakdown: the device time of one training step, kernel by kernel (profiling.breakdown),
+                             for our GPT and transformers' GPT-2 small patched at levels 4 and 5, beside sdpa+compile
     training.csv/.png        models: the LM head + loss and the AdamW step, per level, as compare_optimization_levels
     language_model.csv       models: GPT-2 small per level, training-step tokens/s and peak memory
     generation.csv           generation: GPT-2 small per level, generation tokens/s, eager and CUDA graph
@@ -71,7 +74,7 @@ from tqdm.auto import tqdm
 
 from levels.spec import LEVEL_TITLES
 
-from . import hopper
+from . import breakdown, hopper
 from .cli import save_plots
 from .compare import compare_optimization_levels
 from .language_model import format_throughput, generation_throughput, training_throughput
@@ -657,8 +660,12 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
     return report
 
 
-PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "models", "generation",
-         "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
+BREAKDOWN_ROWS = ("gpt:cuda", "gpt:triton", "hf:sdpa+compile", "hf:cuda", "hf:triton")
+"""The breakdown part's steps: the same GPT-2 small at level 5 and 4 as our GPT and as transformers' patched
+model (whose targets it misses), beside the compiled transformers model it is measured against."""
+
+PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "breakdown", "models",
+         "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
 
@@ -717,6 +724,9 @@ def main(argv=None) -> int:
             continue
         if part == "distributed":
             print(run_distributed(device, out, arguments.only), flush=True)
+            continue
+        if part == "breakdown":
+            breakdown.breakdown(BREAKDOWN_ROWS, "gpt2-small", (8, 1024), torch.bfloat16, device, out=out)
             continue
         if part == "kernels":
             tables = run_kernel_benchmarks(device, out, budget_s, arguments.only)

@@ -85,17 +85,25 @@ def _with_ratio(table: pd.DataFrame, what: str, shape, dtype, device, config) ->
 def training_rows(shape: Sequence[int] = (8, 1024), dtype: torch.dtype = torch.bfloat16,
                   device: torch.device | str = "cuda", rows: Iterable[str] | None = None, config: dict | None = None,
                   repeats: int = 5) -> pd.DataFrame:
-    """Tokens per second of one training step on random tokens of ``shape`` (batch, tokens):
-    ``model(input_ids, labels=input_ids).loss`` (transformers shifts the labels), backward, and
-    ``torch.optim.AdamW`` (fused on the GPU, the same optimizer in every row)."""
+    """Tokens per second of one training step on random tokens of ``shape`` (batch, tokens), as
+    ``training_work`` sets it up."""
     device = torch.device(device)
-    batch, tokens = shape
+    built, step = training_work(shape, dtype, device, rows, config)
+    table = timed_rows(built, step, shape[0] * shape[1], device, repeats, "transformers training step", TITLES)
+    return _with_ratio(table, "transformers training step", shape, dtype, device, config)
+
+
+def training_work(shape: Sequence[int], dtype: torch.dtype, device: torch.device, rows: Iterable[str] | None = None,
+                  config: dict | None = None):
+    """(models, step): a ``models`` row each, in training mode, and ``step(model)``, one training step on
+    the same random tokens of ``shape`` (batch, tokens): ``model(input_ids, labels=input_ids).loss``
+    (transformers shifts the labels), backward, and ``torch.optim.AdamW`` (fused on the GPU, the same
+    optimizer in every row)."""
     built = models(config, rows, dtype, device)
     vocab_size = next(iter(built.values())).config.vocab_size
-    inputs = torch.randint(0, vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    inputs = torch.randint(0, vocab_size, tuple(shape), generator=torch.Generator().manual_seed(1)).to(device)
     optimizers = {id(model): torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
                   for model in built.values()}
-
     for model in built.values():
         model.train()  # dropout is off: the mode changes nothing computed, but it is how a training step runs
 
@@ -105,8 +113,7 @@ def training_rows(shape: Sequence[int] = (8, 1024), dtype: torch.dtype = torch.b
         model(input_ids=inputs, labels=inputs).loss.backward()
         optimizer.step()
 
-    table = timed_rows(built, step, batch * tokens, device, repeats, "transformers training step", TITLES)
-    return _with_ratio(table, "transformers training step", shape, dtype, device, config)
+    return built, step
 
 
 def generation_rows(batch: int, prompt_tokens: int = 16, new_tokens: int = 112, dtype: torch.dtype = torch.bfloat16,

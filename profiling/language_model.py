@@ -121,6 +121,23 @@ def models_at_levels(config: dict, chosen_levels: Iterable[str | int] | None, dt
     return models
 
 
+def training_work(config: dict, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                  levels: Iterable[str | int] | None = None):
+    """(models, step): the GPT at each level (``models_at_levels``) and ``step(model)``, one
+    ``training_step`` on the same random tokens of ``shape`` (batch, tokens) with the model's level's
+    AdamW."""
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randint(0, config["vocab_size"], (2, *shape), generator=generator).to(device)
+    models = models_at_levels(config, levels, dtype, device)
+    optimizers = {id(model): ladder.build_optimizer(model.level, model.parameters(), lr=1e-4)
+                  for model in models.values()}
+
+    def step(model):
+        training_step(model, optimizers[id(model)], inputs, targets)
+
+    return models, step
+
+
 def timed_rows(models, work, tokens_per_call: int, device, repeats: int, description: str,
                 titles: Mapping[str, str] = LEVEL_TITLES) -> pd.DataFrame:
     """One row per model (keyed by its ``level`` column, titled by ``titles``): the first call, then the
@@ -152,17 +169,8 @@ def training_throughput(config: dict, shape: Sequence[int], dtype: torch.dtype =
     of ``shape`` (batch, tokens), each level with its own LM head + loss and its own AdamW. The loss is
     taken in float32 whatever ``dtype`` the model runs in."""
     device = torch.device(device)
-    batch, tokens = shape
-    generator = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randint(0, config["vocab_size"], (2, batch, tokens), generator=generator).to(device)
-    models = models_at_levels(config, levels, dtype, device)
-    optimizers = {id(model): ladder.build_optimizer(model.level, model.parameters(), lr=1e-4)
-                  for model in models.values()}
-
-    def step(model):
-        training_step(model, optimizers[id(model)], inputs, targets)
-
-    table = timed_rows(models, step, batch * tokens, device, repeats, "training step")
+    models, step = training_work(config, shape, dtype, device, levels)
+    table = timed_rows(models, step, shape[0] * shape[1], device, repeats, "training step")
     table.attrs.update(what="training step", shape=tuple(shape), dtype=str(dtype).removeprefix("torch."),
                        device=str(device), config=config)
     return table

@@ -399,3 +399,52 @@ def test_an_ncu_run_without_counters_records_why_instead_of_failing():
     assert profiled["status"] == "ok" and profiled["launch__registers_per_thread"] == 230.0
     table = format_ncu(pd.DataFrame([profiled, row]))
     assert "registers per thread" in table and "230" in table and "ERR_NVGPUCTRPERM" in table
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel",
+     "matmul"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+    ("_matmul_kernel", "matmul"),
+    ("void kernel_ladder::attention_forward_hopper_kernel<__nv_bfloat16, 64>(CUtensorMap, AttentionShape, float*)",
+     "attention"),
+    ("void kernel_ladder::cross_entropy_rows_kernel<__nv_bfloat16>(...)", "loss"),
+    ("_cross_entropy_rows_kernel", "loss"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+     "namespace)::LogSoftMaxForwardEpilogue>", "loss"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+     "namespace)::SoftMaxForwardEpilogue>", "attention"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_"
+     "cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}> >", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", "copy"),
+    ("Memset (Device)", "memset"),
+    ("_layer_norm_fwd_kernel", "norm"),
+    ("autograd::engine::evaluate_function: LayerNormBackward", "norm"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>", "optimizer"),
+    ("triton_poi_fused_add_0", "elementwise"),
+    ("_FeedForwardEagerBackward", "elementwise"),
+    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<...>", "embedding"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<...>>>", "reduction"),
+    ("some_kernel_nobody_named", "other"),
+])
+def test_a_kernel_is_sorted_by_what_its_name_says_it_does(name, kind):
+    from profiling.breakdown import kernel_kind
+
+    assert kernel_kind(name) == kind
+
+
+def test_a_training_step_breakdown_accounts_for_the_whole_step(tmp_path, capsys):
+    """On the CPU every op's own time counts once (callees excluded), so the kinds add up to the step, and
+    level 1's step has the matmuls, the attention and the loss a GPT must run."""
+    from profiling.breakdown import breakdown
+
+    table = breakdown(["gpt:native", "gpt:cuda"], "tiny", (2, 16), torch.float32, "cpu", steps=1, top=3, out=tmp_path)
+    assert set(table["row"]) == {"gpt:native", "gpt:cuda"}
+    native = table[table["row"] == "gpt:native"]
+    assert {"matmul", "attention", "loss", "optimizer"} <= set(native["kind"])
+    assert (native["ms_per_step"] >= 0).all() and native["share"].sum() == pytest.approx(1.0)
+    assert native["ms_per_step"].sum() <= native["wall_ms"].iloc[0] * 1.01  # own times never exceed the step
+    assert pd.read_csv(tmp_path / "breakdown.csv").shape == table.shape
+    printed = capsys.readouterr().out
+    assert "ms per training step by kind" in printed and "gpt:cuda" in printed
