@@ -128,8 +128,8 @@ void impl_on_every_device(torch::Library& m, const char* op) {
 // only, and says so: its Autograd kernel is PyTorch's not-implemented node, so a second derivative (a
 // backward run with create_graph=True, then differentiated again) raises "derivative for ... is not
 // implemented". An op with no Autograd kernel at all would get PyTorch's default instead, a warning and
-// gradients silently left at zero. With grad mode off, as in every plain .backward(), the node just
-// passes the call on to the device kernel.
+// gradients silently left at zero. With grad mode off, as in every plain .backward(), call_backward_op
+// (below) calls past the node.
 template <auto* kForward, auto* kBackward, auto* kAutograd>
 void impl_differentiable(torch::Library& m, const char* forward, const char* backward) {
   impl_on_every_device<kForward>(m, forward);
