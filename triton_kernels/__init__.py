@@ -38,7 +38,7 @@ interpreter, on CPU tensors: correct, and slow.
 Two doors to the same launchers. Under torch.compile, ``swish``, ``layer_norm``, ``rms_norm``, ``softmax``,
 ``attention``, ``linear``, ``feed_forward``, ``linear_cross_entropy`` and ``adamw_step`` call the
 registered ops, which is what lets Inductor place our kernels in its graph. Called eagerly, they go
-through a ``torch.autograd.Function`` (``launch.EagerFunction``, which trims Function.apply's and
+through a ``torch.autograd.Function`` (``eager.EagerFunction``, which trims Function.apply's and
 once_differentiable's Python; or, when no gradient is wanted, straight to the launcher): a
 custom-op call crosses the dispatcher twice and runs Python wrappers on the way, and at decode sizes the
 GPU finishes a kernel before the host has launched the next one, so those wrappers are the time of the

@@ -32,7 +32,8 @@ import torch
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import launch_attention_fwd
 from .attention_tiles import check_attention_shapes
-from .launch import EagerFunction, accumulator_dtype, first_order_only
+from .eager import EagerFunction, first_order_only
+from .launch import accumulator_dtype
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
 

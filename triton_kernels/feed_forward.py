@@ -66,7 +66,8 @@ Check
 
 import torch
 
-from .launch import EagerFunction, check_contiguous, check_inputs, first_order_only, require
+from .eager import EagerFunction, first_order_only
+from .launch import check_contiguous, check_inputs, require
 from .matmul import Epilogue, launch_column_sum, launch_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------

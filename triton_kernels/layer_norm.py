@@ -57,14 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .eager import EagerFunction, first_order_only
 from .launch import (
-    EagerFunction,
     accumulator_dtype,
     cdiv,
     check_contiguous,
     check_inputs,
     compute_dtype,
-    first_order_only,
     launch,
     on_device,
     require,

@@ -54,16 +54,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .eager import EagerFunction, first_order_only
 from .launch import (
     LOOPED_ROW_BLOCK,
-    EagerFunction,
     accumulator_dtype,
     cdiv,
     check_contiguous,
     check_inputs,
     compute_dtype,
     elementwise_launch,
-    first_order_only,
     launch,
     next_power_of_2,
     on_device,

@@ -26,7 +26,8 @@ Check
 
 import torch
 
-from .launch import EagerFunction, accumulator_dtype, check_inputs, first_order_only
+from .eager import EagerFunction, first_order_only
+from .launch import accumulator_dtype, check_inputs
 from .layer_norm import check_norm_shapes, launch_norm_fwd
 from .layer_norm_backward import launch_norm_bwd_unchecked
 

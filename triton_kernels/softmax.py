@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (EagerFunction, cdiv, check_contiguous, check_inputs, compute_dtype, first_order_only, launch,
-                     on_device, require, row_matrix, row_strategy, row_tile)
+from .eager import EagerFunction, first_order_only
+from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix,
+                     row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------

@@ -33,13 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .eager import EagerFunction, first_order_only
 from .launch import (
-    EagerFunction,
     check_contiguous,
     check_inputs,
     compute_dtype,
     elementwise_launch,
-    first_order_only,
     launch,
     on_device,
     require,
