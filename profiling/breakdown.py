@@ -89,14 +89,10 @@ def kernel_times(step: Callable[[], object], device: torch.device, steps: int = 
         calls_and_time = totals.setdefault(event.name, [0, 0.0])
         calls_and_time[0] += 1
         calls_and_time[1] += milliseconds
-    table = pd.DataFrame([{"kernel": name, "kind": kernel_kind(name), "calls_per_step": calls / steps,
-                           "ms_per_step": total / steps} for name, (calls, total) in totals.items()])
-    if table.empty:
-        table = pd.DataFrame(columns=["kernel", "kind", "calls_per_step", "ms_per_step"])
+    rows = [(name, kernel_kind(name), calls / steps, total / steps) for name, (calls, total) in totals.items()]
     if on_gpu:
-        idle = max(0.0, wall_ms - table["ms_per_step"].sum())
-        table = pd.concat([table, pd.DataFrame([{"kernel": "idle", "kind": "idle", "calls_per_step": 0.0,
-                                                 "ms_per_step": idle}])], ignore_index=True)
+        rows.append(("idle", "idle", 0.0, max(0.0, wall_ms - sum(row[3] for row in rows))))
+    table = pd.DataFrame(rows, columns=["kernel", "kind", "calls_per_step", "ms_per_step"])
     table = table.sort_values("ms_per_step", ascending=False, ignore_index=True)
     table["share"] = table["ms_per_step"] / table["ms_per_step"].sum()
     table.attrs["wall_ms"] = wall_ms
