@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from .timing import synchronize
 
 KERNEL_KINDS = [
+    ("communication", r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|broadcast"),
     ("loss", r"cross_?entropy|nll_?loss|log_?softmax"),
     ("attention", r"attention|flash|fmha|sdpa|softmax"),
     ("norm", r"layer_?norm|rms_?norm"),

@@ -4,11 +4,11 @@
         --device cuda --steps 20 --batch 8 --seq 1024 --csv ddp.csv
     torchrun --nproc_per_node=2 -m profiling.distributed --level native --strategy fsdp --device cpu   # gloo
 
-Every process holds the whole model (DDP) or a 1/N shard of every block's parameters (FSDP2's
-``fully_shard``, one unit per block and one for the rest), takes its 1/N of each global batch, and
+Every process holds the whole model (DDP) or a 1/N shard of every parameter (FSDP2's ``fully_shard``,
+one unit per ``BLOCKS_PER_UNIT`` blocks and one for the rest), takes its 1/N of each global batch, and
 after the backward the processes agree on the gradients: DDP all-reduces them (overlapped with the
-backward, bucket by bucket), FSDP all-gathers each block's parameters before its forward and backward
-and reduce-scatters its gradients after. The levels need no change for either: their ops see plain
+backward, bucket by bucket), FSDP all-gathers each unit's parameters before its forward (and, with
+``--reshard-after-forward``, again before its backward) and reduce-scatters its gradients after. The levels need no change for either: their ops see plain
 tensors (DDP's gradient hooks fire on the parameters; FSDP gathers a block's parameters before the
 block's forward runs), which ``step_on_slices`` and the two-process test check, parameter by parameter,
 against one process on the whole batch.
@@ -44,31 +44,89 @@ CONFIGS = {"tiny": dict(TINY, block_size=64), "gpt2-small": GPT2_SMALL}
 STRATEGIES = ("ddp", "fsdp")
 
 
-def build_model(level: str, config: dict, strategy: str, device: torch.device, group=None) -> torch.nn.Module:
-    """The GPT at ``level``, the same initial weights on every process (seed 0), wrapped for ``strategy``
-    over ``group`` (default: every process)."""
+BLOCKS_PER_UNIT = 4
+"""Blocks FSDP gathers and reshards together. FSDP2's bookkeeping costs host time per unit and per
+parameter on every step (hooks, DTensor views, copies into and out of the communication buffers),
+and a level-5 GPT-2 step of 8 × 1024 tokens keeps an H200 busy for only ~18 ms: with one unit per
+block the host, not the GPU or the NVLink, set the pace. Four blocks a unit (GPT-2 small: 3 units
+of ~28M parameters, and the root) still overlap each unit's all-gather with the previous unit's
+compute."""
+
+
+def build_model(level: str, config: dict, strategy: str, device: torch.device, group=None,
+                dtype: torch.dtype | None = None, blocks_per_unit: int = BLOCKS_PER_UNIT,
+                reshard_after_forward: bool = False) -> torch.nn.Module:
+    """The GPT at ``level``, the same initial weights on every process (seed 0), moved to ``device``
+    and ``dtype`` and then wrapped for ``strategy`` over ``group`` (default: every process). Moved
+    first, because both wrappers lay out memory for the parameters as they find them: DDP its
+    gradient buckets, FSDP its shards.
+
+    FSDP shards every ``blocks_per_unit`` blocks as one unit, and the embeddings, final norm and LM
+    head as the root's. ``reshard_after_forward`` False keeps a unit's gathered parameters from its
+    forward to its backward (one all-gather a step instead of two: the memory of the whole
+    parameters for a third less traffic; gradients and optimizer state stay sharded either way)."""
     torch.manual_seed(0)
-    model = levels.build("gpt", level, **config).to(device)
+    model = levels.build("gpt", level, **config).to(device, dtype)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        # gradient_as_bucket_view: the gradients live in the all-reduce buckets, saving a copy of
+        # each one a step. static_graph: the same parameters get gradients every step, so DDP
+        # stops searching the graph for unused ones. 100 MB buckets: GPT-2 small's 250 MB of bf16
+        # gradients go in 3 all-reduces instead of 10, less host work per step (NVLink moves 100 MB
+        # in well under the backward's time, so the last bucket's wait stays short).
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       process_group=group)
+                                       process_group=group, gradient_as_bucket_view=True, static_graph=True,
+                                       bucket_cap_mb=100)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
-    for block in model.h:
-        fully_shard(block, mesh=mesh)
+    blocks = list(model.h)
+    for first in range(0, len(blocks), blocks_per_unit):
+        fully_shard(blocks[first:first + blocks_per_unit], mesh=mesh, reshard_after_forward=reshard_after_forward)
     return fully_shard(model, mesh=mesh)
 
 
-def build_optimizer(model: torch.nn.Module, level: str, strategy: str) -> torch.optim.Optimizer:
-    """The level's AdamW under DDP (each process updates a whole replica); under FSDP the parameters
-    are DTensor shards, which PyTorch's AdamW (multi-tensor) updates where they live."""
-    if strategy == "ddp":
-        return levels.build_optimizer(level, model.parameters(), lr=1e-3, weight_decay=0.0)
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
+class ShardedAdamW:
+    """The level's AdamW over this process's shards of FSDP2's parameters.
+
+    FSDP2's parameters are DTensors: every op on one goes through DTensor's Python dispatch, which
+    works out the result's sharding before it runs the op on the local shard. An optimizer step is a
+    dozen small ops on each of ~150 tensors, so that bookkeeping, not memory traffic, would set its
+    speed (PyTorch's AdamW over DTensors runs at a fraction of the speed it has on plain tensors).
+    The shards underneath are plain tensors, the parameters' own storage; the level's AdamW updates
+    them in place (level 4 in one Triton launch, level 5 in one multi-tensor apply), with no DTensor
+    in sight, and the DTensors see the new values because they share that storage."""
+
+    def __init__(self, model: torch.nn.Module, level: str, **hyperparameters):
+        self.parameters = list(model.parameters())
+        # to_local(): the shard as a plain tensor over the parameter's storage; detach(): a leaf the
+        # optimizer may update in place. A process whose shard of a small tensor is empty skips it.
+        self.shards = {index: parameter.to_local().detach() for index, parameter in enumerate(self.parameters)
+                       if parameter.to_local().numel()}
+        self.optimizer = levels.build_optimizer(level, list(self.shards.values()), **hyperparameters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def step(self) -> None:
+        for index, shard in self.shards.items():
+            gradient = self.parameters[index].grad
+            shard.grad = None if gradient is None else gradient.to_local()
+        self.optimizer.step()
+
+
+def build_optimizer(model: torch.nn.Module, level: str):
+    """The level's AdamW: over the whole parameters of a plain or DDP-wrapped model, over this
+    process's shards of an FSDP-sharded one (``ShardedAdamW``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    hyperparameters = dict(lr=1e-3, weight_decay=0.0)
+    if isinstance(model, FSDPModule):
+        return ShardedAdamW(model, level, **hyperparameters)
+    return levels.build_optimizer(level, model.parameters(), **hyperparameters)
 
 
 def global_batch(step: int, batch: int, seq: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +168,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, rank: int = 0, world: int = 1,
                 wrap: bool = True) -> dict[str, torch.Tensor]:
     """``steps`` steps of the tiny GPT on the CPU in float64, on this process's slice of each global
-    batch of ``batch`` sequences, with ``strategy``'s optimizer; the whole parameters after them.
+    batch of ``batch`` sequences, with the level's AdamW; the whole parameters after them.
     ``wrap`` False: one process on the whole batch, no DDP or FSDP, the reference the processes must
     agree with. Float64, because AdamW's first steps divide a gradient by its own magnitude: a
     gradient near zero whose float32 sum over processes rounds the other way moves its weight by 2 × lr."""
@@ -118,13 +176,15 @@ def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, ran
     torch.set_default_dtype(torch.float64)  # built, wrapped and sharded in float64 from the start
     try:
         if wrap:
-            model = build_model(level, config, strategy, torch.device("cpu"))
+            # One unit per block, resharded after the forward: every gather and reshard FSDP can do.
+            model = build_model(level, config, strategy, torch.device("cpu"), blocks_per_unit=1,
+                                reshard_after_forward=True)
         else:
             torch.manual_seed(0)
             model = levels.build("gpt", level, **config)
     finally:
         torch.set_default_dtype(torch.float32)
-    optimizer = build_optimizer(model, level, strategy)
+    optimizer = build_optimizer(model, level)
     for step in range(steps):
         inputs, targets = global_batch(step, batch, seq, config["vocab_size"])
         step_on_slices(model, optimizer, inputs, targets, rank, world)
@@ -174,7 +234,15 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-baseline", dest="baseline", action="store_false",
                         help="skip the one-process run that scaling efficiency is measured against")
+    parser.add_argument("--blocks-per-unit", type=int, default=BLOCKS_PER_UNIT,
+                        help="FSDP: blocks gathered and resharded together")
+    parser.add_argument("--reshard-after-forward", action="store_true",
+                        help="FSDP: free each unit's gathered parameters after its forward and gather them "
+                             "again for its backward (less memory, a third more traffic)")
     parser.add_argument("--csv", help="rank 0 writes every step's loss and time here")
+    parser.add_argument("--breakdown", metavar="DIR",
+                        help="after each run's timed steps, profile 3 more (profiling.breakdown); rank 0 prints "
+                             "where the GPU's time went and writes DIR/breakdown-<strategy>-<processes>.csv")
     return parser.parse_args(argv)
 
 
@@ -185,10 +253,9 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
 
     rank, processes = dist.get_rank(group), dist.get_world_size(group)
     config = CONFIGS[arguments.config]
-    model = build_model(level, config, arguments.strategy, device, group)
-    if arguments.dtype == "bfloat16":
-        model.to(torch.bfloat16)
-    optimizer = build_optimizer(model, level, arguments.strategy)
+    model = build_model(level, config, arguments.strategy, device, group, getattr(torch, arguments.dtype),
+                        arguments.blocks_per_unit, arguments.reshard_after_forward)
+    optimizer = build_optimizer(model, level)
     records = []
     for step in tqdm(range(arguments.steps), desc=f"{arguments.strategy} × {processes}, level {level}",
                      disable=rank != 0):
@@ -200,7 +267,24 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)  # also waits for the step on every process
         records.append({"processes": processes, "step": step, "loss": loss.item(),
                         "seconds": time.perf_counter() - start})
+    if arguments.breakdown:
+        show_breakdown(lambda: step_on_slices(model, optimizer, inputs.to(device), targets.to(device), rank, processes),
+                       device, Path(arguments.breakdown) / f"breakdown-{arguments.strategy}-{processes}.csv", rank)
     return records
+
+
+def show_breakdown(step, device: torch.device, path: Path, rank: int) -> None:
+    """Profile ``step`` on every process (each must step, or the collectives wait forever); rank 0
+    prints the GPU's time by kind of work, communication included, and writes the kernels to ``path``.
+    NCCL's kernels run beside the compute they overlap, so the kinds may add up to more than the step."""
+    from .breakdown import kernel_times, kinds_side_by_side
+
+    table = kernel_times(step, device)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(path, index=False)
+        print(f"{path.stem}: {table.attrs['wall_ms']:.1f} ms a step; ms a step by kind of work:")
+        print(kinds_side_by_side({path.stem: table}).round(2).to_string())
 
 
 def tokens_per_second(table, processes: int, tokens_per_process: int) -> float:

@@ -39,7 +39,8 @@ Without --part every part runs in turn. Each part writes, under --out:
                              dims 64 and 128, level 5's mma.sync and sm_90a kernels beside level 4 and
                              SDPA's cuDNN and flash (profiling.hopper; its --ncu adds hopper-ncu.csv)
     distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on all of them
-                             (profiling.distributed under torchrun; the machine needs 2 or more GPUs)
+                             (profiling.distributed under torchrun; the machine needs 2 or more GPUs),
+                             and breakdown-<strategy>-<processes>.csv: each run's kernels, NCCL's included
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
@@ -520,7 +521,7 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
 
     if device.type == "cuda":
         processes = torch.cuda.device_count()
-        settings = ["--config", "gpt2-small", "--dtype", "bfloat16", "--batch", "8", "--seq", "1024", "--steps", "20"]
+        settings = ["--config", "gpt2-small", "--dtype", "bfloat16", "--batch", "8", "--seq", "1024", "--steps", "30"]
     else:
         processes, settings = 2, ["--config", "tiny", "--steps", "4"]
     if processes < 2:
@@ -533,7 +534,7 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
         csv = out / f"distributed-{strategy}.csv"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                         "-m", "profiling.distributed", "--level", "cuda", "--strategy", strategy, "--device",
-                        device.type, *settings, "--csv", str(csv)], check=True, timeout=480)
+                        device.type, *settings, "--csv", str(csv), "--breakdown", str(out)], check=True, timeout=480)
         runs.append(pd.read_csv(csv))
         csv.unlink()
     steps = pd.concat(runs)

@@ -426,6 +426,8 @@ def test_an_ncu_run_without_counters_records_why_instead_of_failing():
     ("_FeedForwardEagerBackward", "elementwise"),
     ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<...>", "embedding"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<...>>>", "reduction"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("some_kernel_nobody_named", "other"),
 ])
 def test_a_kernel_is_sorted_by_what_its_name_says_it_does(name, kind):
