@@ -34,12 +34,17 @@ namespace {
 // multiples of 128 rows, the height of cuBLAS's larger tiles, so only the last chunk has a partial tile.
 constexpr int64_t kLogitsPerChunk = int64_t{1} << 27;
 constexpr int64_t kChunkRowMultiple = 128;
-// Each row of the logits buffer is padded to a multiple of 64 values (128 bytes in bfloat16), and cuBLAS
-// is handed that leading dimension. With GPT-2's own vocabulary, 50257 (odd), unpadded rows would give the
-// logits operand of all three GEMMs a leading dimension of 50257 values: not a multiple of 16 bytes, which
-// cuBLAS's fastest kernels require (Hopper's TMA copies need 16-byte aligned strides). The same reason has
-// nanoGPT and our own GPT round the vocabulary up to 50304; here the model keeps its 50257 and only the
-// scratch buffer is wider (by at most 63 columns).
+// The vocabulary is padded to a multiple of 64 tokens (128 bytes in bfloat16) for the three GEMMs: the
+// weight gets zero rows up to the padded width, the logits buffer as many columns. With GPT-2's own
+// vocabulary, 50257 (odd), the logits' dimension would be odd in all three GEMMs: the leading dimension of
+// the logits operand would not be a multiple of 16 bytes, which cuBLAS's fastest kernels require (Hopper's
+// TMA copies need 16-byte aligned strides), and even with padded rows an odd dimension leaves cuBLAS
+// choosing kernels that load one element at a time ("align1"): measured on an H100, the three GEMMs of
+// transformers' GPT-2 took ~12 ms a step unpadded against ~2.5 ms for our GPT's 50304. The same reason
+// has nanoGPT and our own GPT round the vocabulary up to 50304; here the model keeps its 50257 and only
+// the scratch copies are wider. The padded logits are exactly zero (zero weight rows), the row kernels
+// read and write only the first `vocabulary` columns, so the padded columns stay zero and add nothing to
+// grad_hidden; the padded rows of grad_weight are cut off.
 constexpr int64_t kLogitsRowAlignment = 64;
 
 int64_t choose_chunk_rows(int64_t tokens, int64_t vocabulary, int64_t requested) {
@@ -106,12 +111,15 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
             at::zeros_symint(gradient_shape(weight), hidden.options())};
   }
   const DType dtype = kernel_dtype(op, hidden);
-  const at::Tensor h = hidden.contiguous(), w = weight.contiguous(), t = targets.contiguous();
+  const int64_t padded_vocabulary = (vocabulary + kLogitsRowAlignment - 1) / kLogitsRowAlignment * kLogitsRowAlignment;
+  const at::Tensor h = hidden.contiguous(), t = targets.contiguous();
+  const at::Tensor w = padded_vocabulary == vocabulary
+                           ? weight.contiguous()
+                           : at::constant_pad_nd(weight, {0, 0, 0, padded_vocabulary - vocabulary});
   const int64_t rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows);
   const double scale = 1.0 / static_cast<double>(valid);
-  const int64_t row_stride = (vocabulary + kLogitsRowAlignment - 1) / kLogitsRowAlignment * kLogitsRowAlignment;
-  // Reused by every chunk: (rows_per_chunk, vocabulary) with rows row_stride apart.
-  at::Tensor logits = at::empty({rows_per_chunk, row_stride}, h.options()).narrow(1, 0, vocabulary);
+  // Reused by every chunk: (rows_per_chunk, padded_vocabulary), the row kernels' rows padded_vocabulary apart.
+  at::Tensor logits = at::empty({rows_per_chunk, padded_vocabulary}, h.options());
   at::Tensor row_losses = at::empty({tokens}, loss_options);
   at::Tensor grad_hidden = at::empty_symint(gradient_shape(h), h.options());
   at::Tensor grad_weight = at::empty_symint(gradient_shape(w), h.options());
@@ -127,11 +135,11 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
         h,
         [&](void* stream) {
           launch_cross_entropy_rows(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                    row_stride, ignore_index, scale, compute_gradients, stream);
+                                    padded_vocabulary, ignore_index, scale, compute_gradients, stream);
         },
         [&] {
           cross_entropy_rows_cpu(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                 row_stride, ignore_index, scale, compute_gradients);
+                                 padded_vocabulary, ignore_index, scale, compute_gradients);
         });
     if (!compute_gradients) continue;
     at::Tensor chunk_grad_hidden = grad_hidden.narrow(0, start, rows);
@@ -154,7 +162,8 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
         launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, scale, stream);
       },
       [&] { mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, scale); });
-  return {loss, grad_hidden, grad_weight};
+  // The first `vocabulary` rows of a contiguous matrix are contiguous: no copy.
+  return {loss, grad_hidden, compute_gradients ? grad_weight.narrow(0, 0, vocabulary) : grad_weight};
 }
 
 // gradient * factor, factor a 0-dim accumulator-type tensor on the same device, read there by the kernel.

@@ -539,19 +539,20 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
         csv.unlink()
     steps = pd.concat(runs)
     steps.to_csv(out / "distributed.csv", index=False)
-    return check_scaling_targets(steps, out / "targets-distributed.md")
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return check_scaling_targets(steps, out / "targets-distributed.md", machine)
 
 
-def check_scaling_targets(steps: pd.DataFrame, path: Path) -> str:
-    """The scaling targets judged on one launch per strategy (``run_distributed``'s steps), as a
-    markdown table written to ``path`` and returned."""
+def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str) -> str:
+    """The scaling targets judged on one launch per strategy (``run_distributed``'s steps) on
+    processes of ``machine`` (one each), as a markdown table written to ``path`` and returned."""
     from .distributed import format_scaling_table, scaling_table
 
     tables = {strategy: scaling_table(run, int(run["batch"].iloc[0] * run["seq"].iloc[0]))
               for strategy, run in steps.groupby("strategy")}
     processes = int(steps["processes"].max())
     thresholds = SCALING_TARGETS.get(processes, {})
-    lines = [f"# Scaling targets on {processes} × {steps['device'].iloc[0]}, {steps['config'].iloc[0]}, "
+    lines = [f"# Scaling targets on {processes} × {machine}, {steps['config'].iloc[0]}, "
              f"{steps['dtype'].iloc[0]}", "", "| target | measured | met |", "| --- | --- | --- |"]
 
     def at(strategy: str, column: str) -> float:

@@ -97,7 +97,7 @@ def test_the_scaling_targets_are_judged_from_each_strategys_launch(tmp_path):
     # ddp: 50 tokens/s alone, 2 × 49 together: 1.96× (target 1.95, met). fsdp: 50 alone, 2 × 45: 1.80×
     # (target 1.85, missed); fsdp per process 45 against ddp's 49: 0.92× (target 0.8, met).
     steps = pd.concat([_launch_steps("ddp", 2.0, 100 / 49), _launch_steps("fsdp", 2.0, 100 / 45)])
-    report = check_scaling_targets(steps, tmp_path / "targets.md")
+    report = check_scaling_targets(steps, tmp_path / "targets.md", "NVIDIA H200")
     assert "| ddp on 2: ≥ 1.95× one's tokens/s | 1.96× | True |" in report
     assert "| fsdp on 2: ≥ 1.85× one's tokens/s | 1.80× | False |" in report
     assert "| fsdp tokens/s per process ≥ 0.8× ddp's | 0.92× | True |" in report
