@@ -345,6 +345,40 @@ def show_several_gpu_run(path: Path = SEVERAL_GPU_RUN) -> None:
         print(format_scaling_table(scaling_table(run, batch * seq)))
 
 
+TIME_GROUPS = {"communication": "communication", "idle": "idle (the GPU waits for the host)"}
+"""How ``several_gpu_breakdown`` groups the profile's kinds of work: these two apart, the rest as compute."""
+
+
+def several_gpu_breakdown(folder: Path = SEVERAL_GPU_RUN.parent) -> pd.DataFrame:
+    """ms per step of device time in each run profiled beside ``folder``'s several-GPU run (its
+    ``breakdown-<strategy>-<processes>.csv``), one row per run (``ddp × 2``, ...), one column per group:
+    compute (every kernel that is not NCCL's), communication, and idle. NCCL's kernels run beside the
+    compute they overlap, and a rank that arrives first at a collective waits inside its kernel, so the
+    three may add up to more than the step; idle, what the step's wall time leaves, is the GPU with
+    nothing to run. Empty where no profiles exist."""
+    rows = {}
+    for path in sorted(folder.glob("breakdown-*-*.csv")):
+        _, strategy, processes = path.stem.split("-")
+        by_kind = pd.read_csv(path).groupby("kind")["ms_per_step"].sum()
+        grouped = {"compute": by_kind.drop(list(TIME_GROUPS), errors="ignore").sum()}
+        grouped |= {label: by_kind.get(kind, 0.0) for kind, label in TIME_GROUPS.items()}
+        rows[f"{strategy} × {processes}"] = grouped
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def plot_several_gpu_breakdown(table: pd.DataFrame, ax=None):
+    """``several_gpu_breakdown``'s table as stacked horizontal bars, one a run."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.6 * len(table) + 1.2), layout="constrained")
+    table.plot.barh(stacked=True, ax=ax, color=["tab:blue", "tab:orange", "tab:gray"])
+    ax.invert_yaxis()  # the runs top to bottom in the table's order
+    ax.set_xlabel("ms of device time per training step")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize="small", frameon=False)
+    return ax
+
+
 def main(argv=None) -> NoReturn:
     """Train on every process; first, unless ``--no-baseline``, on process 0 alone (its own one-process
     group, wrapped the same way) while the others wait, so that scaling efficiency, tokens/s on N

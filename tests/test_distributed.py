@@ -114,3 +114,17 @@ def test_the_gpu_suites_distributed_part_has_a_dry_run_on_the_cpu(tmp_path):
     assert sorted(steps.groupby(["strategy", "processes"]).size().items()) == [
         (("ddp", 1), 4), (("ddp", 2), 4), (("fsdp", 1), 4), (("fsdp", 2), 4)]
     assert (tmp_path / "targets-distributed.md").read_text().count("| ddp") == 1
+
+
+def test_the_breakdown_groups_each_runs_kernels_into_compute_communication_and_idle(tmp_path):
+    from profiling.distributed import several_gpu_breakdown
+
+    kernels = pd.DataFrame({"kernel": ["gemm", "ncclDevKernel_AllReduce", "idle", "layer_norm"],
+                            "kind": ["matmul", "communication", "idle", "norm"], "ms_per_step": [5.0, 3.0, 1.5, 0.5]})
+    kernels.to_csv(tmp_path / "breakdown-ddp-2.csv", index=False)
+    kernels[kernels["kind"] != "communication"].to_csv(tmp_path / "breakdown-ddp-1.csv", index=False)
+    table = several_gpu_breakdown(tmp_path)
+    assert list(table.index) == ["ddp × 1", "ddp × 2"]
+    assert table.loc["ddp × 2"].tolist() == [5.5, 3.0, 1.5]
+    assert table.loc["ddp × 1"].tolist() == [5.5, 0.0, 1.5]
+    assert several_gpu_breakdown(tmp_path / "nothing here").empty
