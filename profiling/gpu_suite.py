@@ -506,7 +506,8 @@ def environment(device: torch.device) -> dict:
 
 SCALING_TARGETS = {2: {"ddp": 1.95, "fsdp": 1.85}, 4: {"ddp": 3.8, "fsdp": 3.5}}
 """GPT-2 small at level 5, bf16, 8 × 1024 tokens a GPU: tokens/s on N GPUs ≥ this × one GPU's, per
-strategy (DDP overlaps its all-reduces with the backward; FSDP2 has three times the traffic to hide)."""
+strategy (DDP overlaps its all-reduces with the backward; FSDP2 must gather each unit's weights before
+it computes, and as ZeRO-3, resharding after the forward, sends half as much again as DDP)."""
 FSDP_PER_GPU_VERSUS_DDP = 0.8
 """... and FSDP's tokens/s per GPU ≥ this × DDP's on as many GPUs: sharding may cost memory traffic
 and latency, not most of the speed."""
