@@ -168,10 +168,16 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return gathered
 
 
+EVERY_GATHER = {"blocks_per_unit": 1, "reshard_after_forward": True}
+"""FSDP wrapped so that it does every gather and reshard it can: one unit per block, each resharded after
+its forward and gathered again for its backward. What the two-process checks use unless told otherwise."""
+
+
 def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, rank: int = 0, world: int = 1,
-                wrap: bool = True) -> dict[str, torch.Tensor]:
+                wrap: bool = True, fsdp_units: dict = EVERY_GATHER) -> dict[str, torch.Tensor]:
     """``steps`` steps of the tiny GPT on the CPU in float64, on this process's slice of each global
-    batch of ``batch`` sequences, with the level's AdamW; the whole parameters after them.
+    batch of ``batch`` sequences, with the level's AdamW; the whole parameters after them. FSDP's
+    units as ``fsdp_units`` says (``build_model``'s blocks_per_unit and reshard_after_forward).
     ``wrap`` False: one process on the whole batch, no DDP or FSDP, the reference the processes must
     agree with. Float64, because AdamW's first steps divide a gradient by its own magnitude: a
     gradient near zero whose float32 sum over processes rounds the other way moves its weight by 2 × lr."""
@@ -179,9 +185,7 @@ def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, ran
     torch.set_default_dtype(torch.float64)  # built, wrapped and sharded in float64 from the start
     try:
         if wrap:
-            # One unit per block, resharded after the forward: every gather and reshard FSDP can do.
-            model = build_model(level, config, strategy, torch.device("cpu"), blocks_per_unit=1,
-                                reshard_after_forward=True)
+            model = build_model(level, config, strategy, torch.device("cpu"), **fsdp_units)
         else:
             torch.manual_seed(0)
             model = levels.build("gpt", level, **config)
@@ -195,12 +199,12 @@ def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, ran
 
 
 def two_process_worker(rank: int, world: int, port: int, level: str, strategy: str, steps: int, batch: int, seq: int,
-                       path: str) -> None:
+                       path: str, fsdp_units: dict = EVERY_GATHER) -> None:
     """One of ``world`` gloo processes (``torch.multiprocessing.spawn``): trains, and rank 0 saves the
     whole parameters to ``path``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parameters = train_steps(level, strategy, steps, batch, seq, rank, world)
+    parameters = train_steps(level, strategy, steps, batch, seq, rank, world, fsdp_units=fsdp_units)
     if rank == 0:
         torch.save(parameters, path)
     leave_process_group()

@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing
 
 from levels import TOLERANCE, relative_max_error
-from profiling.distributed import (format_scaling_table, scaling_table, show_several_gpu_run, train_steps,
-                                  two_process_worker)
+from profiling.distributed import (BLOCKS_PER_UNIT, EVERY_GATHER, format_scaling_table, scaling_table,
+                                  show_several_gpu_run, train_steps, two_process_worker)
 
 STEPS, BATCH, SEQ = 2, 4, 16
 
@@ -23,12 +23,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("level", ["native", "torchscript", "compile", "triton", "cuda"])
-def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(level, strategy, tmp_path):
+LAUNCHER_UNITS = {"blocks_per_unit": BLOCKS_PER_UNIT, "reshard_after_forward": False}  # as main() wraps FSDP
+CASES = [pytest.param(level, strategy, EVERY_GATHER, id=f"{level}-{strategy}")
+         for level in ("native", "torchscript", "compile", "triton", "cuda") for strategy in ("ddp", "fsdp")]
+CASES += [pytest.param(level, "fsdp", LAUNCHER_UNITS, id=f"{level}-fsdp-as-launched")
+          for level in ("native", "cuda")]  # level 5: the level the launcher measures
+
+
+@pytest.mark.parametrize("level,strategy,fsdp_units", CASES)
+def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(level, strategy, fsdp_units, tmp_path):
     path = tmp_path / "parameters.pt"
-    torch.multiprocessing.spawn(two_process_worker, args=(2, free_port(), level, strategy, STEPS, BATCH, SEQ, str(path)),
-                                nprocs=2)
+    torch.multiprocessing.spawn(two_process_worker, nprocs=2, args=(2, free_port(), level, strategy, STEPS, BATCH, SEQ,
+                                                                    str(path), fsdp_units))
     together = torch.load(path)
     alone = train_steps(level, strategy, STEPS, BATCH, SEQ, wrap=False)
     assert together.keys() == alone.keys()
