@@ -8,10 +8,10 @@ Every process holds the whole model (DDP) or a 1/N shard of every parameter (FSD
 one unit per ``BLOCKS_PER_UNIT`` blocks and one for the rest), takes its 1/N of each global batch, and
 after the backward the processes agree on the gradients: DDP all-reduces them (overlapped with the
 backward, bucket by bucket), FSDP all-gathers each unit's parameters before its forward (and, with
-``--reshard-after-forward``, again before its backward) and reduce-scatters its gradients after. The levels need no change for either: their ops see plain
-tensors (DDP's gradient hooks fire on the parameters; FSDP gathers a block's parameters before the
-block's forward runs), which ``step_on_slices`` and the two-process test check, parameter by parameter,
-against one process on the whole batch.
+``--reshard-after-forward``, again before its backward) and reduce-scatters its gradients after. The
+levels need no change for either: their ops see plain tensors (DDP's gradient hooks fire on the
+parameters; FSDP gathers a unit's parameters before its forward runs), which ``step_on_slices`` and the
+two-process test check, parameter by parameter, against one process on the whole batch.
 
 Rank 0 shows a progress bar, prints ``scaling_table`` (tokens/s per process and in total, speedup and
 scaling efficiency) and writes a CSV of the loss and time of every step. Scaling efficiency is a ratio
@@ -53,13 +53,13 @@ of ~28M parameters, and the root) still overlap each unit's all-gather with the 
 compute."""
 
 
-def build_model(level: str, config: dict, strategy: str, device: torch.device, group=None,
+def build_model(level: str, config: dict, strategy: str | None, device: torch.device, group=None,
                 dtype: torch.dtype | None = None, blocks_per_unit: int = BLOCKS_PER_UNIT,
                 reshard_after_forward: bool = False) -> torch.nn.Module:
     """The GPT at ``level``, the same initial weights on every process (seed 0), moved to ``device``
-    and ``dtype`` and then wrapped for ``strategy`` over ``group`` (default: every process). Moved
-    first, because both wrappers lay out memory for the parameters as they find them: DDP its
-    gradient buckets, FSDP its shards.
+    and ``dtype`` and then wrapped for ``strategy`` over ``group`` (default: every process); with
+    ``strategy`` None, not wrapped. Moved first, because both wrappers lay out memory for the
+    parameters as they find them: DDP its gradient buckets, FSDP its shards.
 
     FSDP shards every ``blocks_per_unit`` blocks as one unit, and the embeddings, final norm and LM
     head as the root's. ``reshard_after_forward`` False keeps a unit's gathered parameters from its
@@ -67,6 +67,8 @@ def build_model(level: str, config: dict, strategy: str, device: torch.device, g
     parameters for a third less traffic; gradients and optimizer state stay sharded either way)."""
     torch.manual_seed(0)
     model = levels.build("gpt", level, **config).to(device, dtype)
+    if strategy is None:
+        return model
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -103,8 +105,8 @@ class ShardedAdamW:
         self.parameters = list(model.parameters())
         # to_local(): the shard as a plain tensor over the parameter's storage; detach(): a leaf the
         # optimizer may update in place. A process whose shard of a small tensor is empty skips it.
-        self.shards = {index: parameter.to_local().detach() for index, parameter in enumerate(self.parameters)
-                       if parameter.to_local().numel()}
+        shards = {index: parameter.to_local().detach() for index, parameter in enumerate(self.parameters)}
+        self.shards = {index: shard for index, shard in shards.items() if shard.numel()}
         self.optimizer = levels.build_optimizer(level, list(self.shards.values()), **hyperparameters)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -182,15 +184,8 @@ def train_steps(level: str, strategy: str, steps: int, batch: int, seq: int, ran
     agree with. Float64, because AdamW's first steps divide a gradient by its own magnitude: a
     gradient near zero whose float32 sum over processes rounds the other way moves its weight by 2 × lr."""
     config = CONFIGS["tiny"]
-    torch.set_default_dtype(torch.float64)  # built, wrapped and sharded in float64 from the start
-    try:
-        if wrap:
-            model = build_model(level, config, strategy, torch.device("cpu"), **fsdp_units)
-        else:
-            torch.manual_seed(0)
-            model = levels.build("gpt", level, **config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    model = build_model(level, config, strategy if wrap else None, torch.device("cpu"), dtype=torch.float64,
+                        **fsdp_units)
     optimizer = build_optimizer(model, level)
     for step in range(steps):
         inputs, targets = global_batch(step, batch, seq, config["vocab_size"])

@@ -665,7 +665,7 @@ def check_targets(tables: dict[str, pd.DataFrame], targets: list[Target], path: 
 
 BREAKDOWN_ROWS = ("gpt:cuda", "gpt:triton", "hf:sdpa+compile", "hf:cuda", "hf:triton")
 """The breakdown part's steps: the same GPT-2 small at level 5 and 4 as our GPT and as transformers' patched
-model (whose targets it misses), beside the compiled transformers model it is measured against."""
+model, beside the compiled transformers model its targets are measured against."""
 
 PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "breakdown", "models",
          "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
