@@ -4,7 +4,8 @@ and anything Triton would specialize on differently goes back through the JIT. A
 input (and gradient) reaches the kernels as it is, never copied on the way.
 
 No GPU is needed: the JIT's run is replaced by a recorder that returns a stand-in CompiledKernel whose
-launcher records its arguments, and the driver by one that names device 0 and stream 7."""
+launcher records its arguments, and PyTorch's current device and stream by stand-ins that name device 0
+and stream 7."""
 
 import importlib
 import inspect
@@ -39,14 +40,6 @@ class Recorder:
         return self.compiled
 
 
-class Driver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 7
-
-
 @pytest.fixture
 def kernel(monkeypatch):
     """A compiled-mode JITFunction (even where the interpreter is on) whose JIT path is recorded."""
@@ -55,7 +48,8 @@ def kernel(monkeypatch):
     monkeypatch.setattr(kernel, "run", kernel.recorder.jit_run)
     monkeypatch.setattr(launch_module, "INTERPRETING", False)
     monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", True)
-    monkeypatch.setattr(launch_module, "_driver", Driver())
+    monkeypatch.setattr(launch_module, "_current_cuda_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_current_raw_stream", lambda device: 7)
     monkeypatch.setattr(launch_module, "_compiled_kernels", {})
     return kernel
 

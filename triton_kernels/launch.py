@@ -54,15 +54,16 @@ def check_inputs(op: str, *tensors: torch.Tensor) -> None:
 
 
 _ON_THIS_DEVICE = operator.attrgetter("is_cpu" if INTERPRETING else "is_cuda")
-_DTYPE = operator.attrgetter("dtype")
 
 
-def check_many_inputs(op: str, tensors: Sequence[torch.Tensor]) -> None:
-    """``check_inputs`` for a long list (an optimizer's ~600 tensors): the same test with its loops in C
-    (``map`` into ``all`` and ``set``), several times faster per tensor than a Python loop, so that
-    checking a step's tensors costs less than the GPU's step. The message is built only on failure."""
-    if tensors and not (all(map(_ON_THIS_DEVICE, tensors)) and len(set(map(torch.Tensor.get_device, tensors))) == 1
-                        and set(map(_DTYPE, tensors)) <= _SUPPORTED_DTYPE_SET):
+def check_many_inputs(op: str, tensors: Sequence[torch.Tensor], dtypes: set) -> None:
+    """``check_inputs`` for a long list (an optimizer's ~600 tensors), whose caller has already gathered
+    the set of their ``dtypes`` (an optimizer checks that each gradient and moment has its parameter's):
+    the same test with its loops in C (``map`` into ``all`` and ``set``), several times faster per tensor
+    than a Python loop, so that checking a step's tensors costs less than the GPU's step. The message is
+    built only on failure."""
+    if tensors and not (dtypes <= _SUPPORTED_DTYPE_SET and all(map(_ON_THIS_DEVICE, tensors))
+                        and len(set(map(torch.Tensor.get_device, tensors))) == 1):
         _raise_input_error(op, tensors)
 
 
@@ -110,11 +111,19 @@ def check_contiguous(op: str, *tensors: torch.Tensor) -> None:
 _SAME_DEVICE = contextlib.nullcontext()
 
 
+# The current CUDA device's index and its current stream's handle, straight from PyTorch's C++:
+# ``torch.cuda.current_device()`` (which Triton's driver calls) first asks, in Python, whether CUDA is
+# initialised, four calls deep. Both are called only with a CUDA tensor in hand, so CUDA is initialised
+# by then. (A CPU build of PyTorch has neither; there the interpreter runs every kernel.)
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def on_device(tensor: torch.Tensor):
     """Triton launches on the *current* CUDA device: make it the tensor's. Entering
     ``torch.cuda.device`` costs microseconds (it switches the device and back), so it is used only
     when the tensor lives elsewhere; the interpreter and the usual one-GPU case get a shared no-op."""
-    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+    if tensor.is_cuda and tensor.get_device() != _current_cuda_device():
         return torch.cuda.device(tensor.device)
     return _SAME_DEVICE
 
@@ -360,7 +369,6 @@ time one against the other. The interpreter always takes Triton's own path."""
 
 _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, values of the parameters after args)
 # (The entry holds the kernel itself so that the id(kernel) in its key can never be reused.)
-_driver = None  # Triton's active driver, looked up at the first direct launch
 
 
 def launch(kernel, grid, *args, **constants) -> None:
@@ -370,7 +378,7 @@ def launch(kernel, grid, *args, **constants) -> None:
     if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
         kernel[grid](*args, **constants)
         return
-    device = (_driver or _active_driver()).get_current_device()
+    device = _current_cuda_device()
     # The tensors' part of the key is written inline: most arguments are tensors, and a function call
     # per argument was a quarter of this function's time.
     key = (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
@@ -388,17 +396,11 @@ def launch(kernel, grid, *args, **constants) -> None:
     # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
     # the CompiledKernel at each launch; no launch metadata and no hooks, since _hooked found none.
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 _driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                 _current_raw_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
 
 
 _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
-
-
-def _active_driver():
-    global _driver
-    _driver = triton.runtime.driver.active
-    return _driver
 
 
 def _hooked(kernel) -> bool:
