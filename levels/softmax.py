@@ -48,7 +48,8 @@ class SoftmaxSpec(ComponentSpec):
 
     def check_inputs(self, x: torch.Tensor) -> None:
         super().check_inputs(x)
-        if not -x.dim() <= self.dim < max(x.dim(), 1):
+        dims = x.dim()
+        if not -dims <= self.dim < (dims or 1):  # a 0-d tensor has one dim to normalise over, dim 0
             raise ValueError(f"softmax over dim {self.dim} needs an input with more dims, got shape {tuple(x.shape)}")
 
     def example_inputs(self, shape, dtype=None, device=None) -> tuple[torch.Tensor]:
@@ -139,7 +140,8 @@ class _SoftmaxKernel(SoftmaxSpec):
     and copied once, on purpose. ``backend`` is set by each level."""
 
     def compute(self, x):
-        if self.dim in (-1, x.dim() - 1):
+        dim = self.dim
+        if dim == -1 or dim == x.dim() - 1:
             return self.softmax_last_dim(x.contiguous())  # a non-contiguous x is copied, once
         return self.softmax_last_dim(x.movedim(self.dim, -1).contiguous()).movedim(-1, self.dim)
 

@@ -163,15 +163,15 @@ class ComponentSpec(nn.Module):
 
     def check_inputs(self, *inputs: torch.Tensor) -> None:
         """Dtype and device checks shared by every component; components add shape checks."""
-        level = self.level or "native"
+        passed = self._parameters_match
         for index, tensor in enumerate(inputs):
             # A (device, dtype) pair that passed both checks below passes them again: they read
             # nothing else. So a decode loop, which calls with the same pair every step, pays one
             # compare per input here, not the checks.
-            if isinstance(tensor, torch.Tensor) and (tensor.device, tensor.dtype) == self._parameters_match:
+            if isinstance(tensor, torch.Tensor) and (tensor.device, tensor.dtype) == passed:
                 continue
             name = "input" if len(inputs) == 1 else f"input {index}"
-            check_floating_input(name, tensor, level)
+            check_floating_input(name, tensor, self.level or "native")
             check_matches_parameters(name, tensor, list(self.named_parameters()))
             self.__dict__["_parameters_match"] = (tensor.device, tensor.dtype)
 

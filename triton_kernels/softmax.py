@@ -63,10 +63,13 @@ def check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -
     """x is (..., N), softmax taken over its last dim; ``like_x`` tensors match it in shape and dtype.
     All contiguous."""
     row_matrix(op, x)
-    for name, tensor in (like_x or {}).items():
+    if not like_x:  # the forward: no dict or tuple built per call (at decode sizes, a share of the call)
+        check_contiguous(op, x)
+        return
+    for name, tensor in like_x.items():
         require(tensor.shape == x.shape and tensor.dtype == x.dtype,
                 lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(x.shape)} {x.dtype}")
-    check_contiguous(op, x, *(like_x or {}).values())
+    check_contiguous(op, x, *like_x.values())
 
 
 # --- forward -----------------------------------------------------------------------------------------
