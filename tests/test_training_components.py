@@ -85,14 +85,28 @@ def test_the_gpts_loss_is_the_cross_entropy_of_its_logits(level, device):
 # float16's range instead of the levels (the reason half-precision training keeps float32 moments).
 HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-3, "weight_decay": 0.1}
 SIZES = (1, 1000, 4099, 3 * 65537)  # one element; odd sizes; one tensor larger than any one block or chunk
+VECTOR_SIZES = (8, 768, 4096, 3 * 65536)  # multiples of 16 bytes' worth in every dtype: the vectorised path
+LAYOUTS = {  # (sizes, shift): the parameters' sizes, and how many elements into a buffer each one starts
+    "odd sizes": (SIZES, 0),
+    "16-byte multiples": (VECTOR_SIZES, 0),
+    "16-byte multiples at unaligned addresses": (VECTOR_SIZES, 1),  # as slices of a buffer, FSDP's shards
+}
 
 
-def run_steps(level, device, dtype, steps=5, seed=0):
-    """The parameters after ``steps`` AdamW steps on fixed random gradients, from fixed random parameters."""
+def placed(tensor: torch.Tensor, shift: int) -> torch.Tensor:
+    """``tensor``'s values in a buffer of their own, starting ``shift`` elements in."""
+    buffer = torch.empty(tensor.numel() + shift, dtype=tensor.dtype, device=tensor.device)
+    return buffer[shift:].copy_(tensor)
+
+
+def run_steps(level, device, dtype, steps=5, seed=0, layout="odd sizes"):
+    """The parameters after ``steps`` AdamW steps on fixed random gradients, from fixed random parameters
+    laid out as ``LAYOUTS[layout]`` says."""
+    sizes, shift = LAYOUTS[layout]
     generator = torch.Generator().manual_seed(seed)
-    initial = [torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES]
-    gradients = [[torch.randn(size, generator=generator, dtype=torch.float64) for size in SIZES] for _ in range(steps)]
-    params = [torch.nn.Parameter(p.to(device=device, dtype=dtype)) for p in initial]
+    initial = [torch.randn(size, generator=generator, dtype=torch.float64) for size in sizes]
+    gradients = [[torch.randn(size, generator=generator, dtype=torch.float64) for size in sizes] for _ in range(steps)]
+    params = [torch.nn.Parameter(placed(p.to(device=device, dtype=dtype), shift)) for p in initial]
     optimizer = levels.build_optimizer(level, params, **HYPERPARAMETERS)
     for step_gradients in gradients:
         for param, gradient in zip(params, step_gradients):
@@ -101,14 +115,15 @@ def run_steps(level, device, dtype, steps=5, seed=0):
     return params, optimizer
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("level", levels.LEVELS)
-def test_adamw_after_several_steps_matches_a_float64_level_1_run(level):
+def test_adamw_after_several_steps_matches_a_float64_level_1_run(level, layout):
     for device_dtype in device_dtype_params(level):
         device, dtype = device_dtype.values
         if device == "cuda" and not torch.cuda.is_available():
             continue
-        params, _ = run_steps(level, device, dtype)
-        expected, _ = run_steps("native", "cpu", torch.float64)
+        params, _ = run_steps(level, device, dtype, layout=layout)
+        expected, _ = run_steps("native", "cpu", torch.float64, layout=layout)
         for index, (actual, wanted) in enumerate(zip(params, expected)):
             error = relative_max_error(actual, wanted)
             assert error <= TOLERANCE[dtype], f"{device} {dtype} tensor {index}: {error:.2e}"
