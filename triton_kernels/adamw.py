@@ -110,11 +110,14 @@ def _raise_mismatch(op: str, name: str, tensors, params) -> None:
 def _address(Table, index, ELEMENT: tl.constexpr, ALIGNED: tl.constexpr):
     """Entry ``index`` of an address table as a pointer to ELEMENTs. With ALIGNED, the compiler is told
     the address is a multiple of 16 bytes, which it cannot see in a number read from memory: the hint
-    that lets it load and store 16 bytes a thread at once (``_adamw_kernel`` says why that matters)."""
-    address = tl.load(Table + index)
+    that lets it load and store 16 bytes a thread at once (``_adamw_kernel`` says why that matters).
+    The hint goes on the pointer, after the cast: Triton's alignment analysis does not carry a hint on
+    the integer through its cast to a pointer (the PTX shows it: with the hint on the integer, every
+    bfloat16 was still its own ``ld.global.b16``; on the pointer, eight travel in one ``ld.global.v4``)."""
+    pointer = tl.load(Table + index).to(tl.pointer_type(ELEMENT))
     if ALIGNED:
-        address = tl.multiple_of(address, 16)
-    return address.to(tl.pointer_type(ELEMENT))
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
