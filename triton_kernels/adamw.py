@@ -130,7 +130,8 @@ def _adamw_kernel(Programs, Addresses, GradAddresses, Numels, n_tensors, decay_h
     tensor = tl.load(Programs + 2 * tl.program_id(0))
     offsets = tl.load(Programs + 2 * tl.program_id(0) + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # Addresses and sizes come from tables, so the compiler knows nothing of their alignment and would
-    # move one element per instruction (2 bytes in bfloat16): 82 % of copy bandwidth on an H100. When
+    # move one element per instruction (2 bytes in bfloat16): 82 % of copy bandwidth on an H100, 72 % on
+    # an H200, where the hinted kernel reaches 100 % (profiling/results/h200/README.md). When
     # the launcher has checked that every address is a multiple of 16 bytes and every size a multiple
     # of VECTOR elements (16 bytes' worth), it says so (ALIGNED): each thread's accesses then become
     # 16-byte vectors, and the mask, constant over each VECTOR elements, does not split them.
