@@ -168,7 +168,6 @@ def test_adamw_skips_parameters_without_a_gradient_and_counts_steps_per_paramete
 # without a device), and prints, per variant, how many 16-byte and 2-byte global loads and stores one
 # thread issues in bfloat16.
 _COUNT_ADAMW_ACCESSES = """
-import re
 import torch
 torch.cuda.is_available = lambda: True
 import triton.language as tl
@@ -185,8 +184,12 @@ for aligned in (True, False):
                  for name in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    print(*(len(re.findall(pattern, ptx)) for pattern in (r"ld\\.global\\.v4", r"st\\.global\\.v4",
-                                                          r"ld\\.global\\.b16", r"st\\.global\\.b16")))
+    # Each instruction's opcode, its predicate ("@%p1") left out; cache hints (".L1::evict_last" and such)
+    # may stand between its parts.
+    opcodes = [next(word for word in line.split() if not word.startswith("@")) for line in ptx.splitlines()
+               if "ld.global" in line or "st.global" in line]
+    print(*(sum(opcode.startswith(kind) and width in opcode.split(".") for opcode in opcodes)
+            for kind, width in (("ld.global", "v4"), ("st.global", "v4"), ("ld.global", "b16"), ("st.global", "b16"))))
 """
 
 
