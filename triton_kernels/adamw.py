@@ -74,9 +74,9 @@ from .launch import (
 _DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
-def _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs) -> set:
+def _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs) -> tuple[tuple, set]:
     """Four lists of equal length; each gradient and moment shaped and typed as its parameter. Returns
-    the set of their dtypes."""
+    every tensor of the four in one tuple, and the set of their dtypes, for the launcher's device check."""
     op = "adamw_step"
     lengths = (len(params), len(grads), len(exp_avgs), len(exp_avg_sqs))
     if len(set(lengths)) != 1:
@@ -91,7 +91,7 @@ def _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs) -> set:
     every_tensor = (*params, *grads, *exp_avgs, *exp_avg_sqs)
     if not all(map(torch.Tensor.is_contiguous, every_tensor)):
         check_contiguous(op, *every_tensor)  # says which
-    return set(dtypes)
+    return every_tensor, set(dtypes)
 
 
 def _raise_mismatch(op: str, name: str, tensors, params) -> None:
@@ -171,10 +171,10 @@ def _adamw_kernel(Programs, Addresses, GradAddresses, Numels, n_tensors, decay_h
 def launch_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
                       weight_decay: float, step: int) -> None:
-    dtypes = _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs)
+    every_tensor, dtypes = _check_adamw_lists(params, grads, exp_avgs, exp_avg_sqs)
     if not params:
         return
-    check_many_inputs("adamw_step", (*params, *grads, *exp_avgs, *exp_avg_sqs), dtypes)
+    check_many_inputs("adamw_step", every_tensor, dtypes)
     # The order of _adamw_kernel's scalars; the bias corrections in Python's float64.
     hyperparameters = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                        math.sqrt(1 - beta2 ** step), eps)
