@@ -89,8 +89,15 @@ def time_runs(function: Callable[[], object], device: torch.device, *, budget_s:
         function()
     estimate = max(time_once(function, device), 1e-7)
     runs = int(min(max_runs, max(min_runs, budget_s / estimate)))
-    samples = _cuda_event_samples(function, device, runs) if device.type == "cuda" else _clock_samples(function, runs)
+    samples = seconds_per_run(function, device, runs)
     return Timing.from_samples(samples, len(samples))
+
+
+def seconds_per_run(function: Callable[[], object], device: torch.device, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``function``, made back to back with no synchronisation
+    between them: on CUDA each call's time on the stream (events recorded around it, so the host may
+    queue the next call while the GPU runs this one), on the CPU its wall time."""
+    return _cuda_event_samples(function, device, runs) if device.type == "cuda" else _clock_samples(function, runs)
 
 
 def time_back_to_back(function: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,

@@ -60,6 +60,19 @@ def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
     assert (table["seconds"] > 0).all() and table["loss"].notna().all()
 
 
+def test_the_launcher_times_each_process_count_it_is_given_on_that_many_processes(tmp_path):
+    """``--processes 2 3`` on three processes: a run on the first two, then one on all three, in one CSV;
+    a count the launch cannot hold is refused before any training."""
+    csv = tmp_path / "steps.csv"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "profiling.distributed",
+              "--level", "native", "--strategy", "ddp", "--device", "cpu", "--steps", "2", "--csv", str(csv)]
+    result = subprocess.run(launch + ["--processes", "3", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert pd.read_csv(csv).groupby("processes")["step"].apply(list).to_dict() == {2: [0, 1], 3: [0, 1]}
+    refused = subprocess.run(launch + ["--processes", "1", "4"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "each count must be between 1 and 3" in refused.stderr
+
+
 def test_scaling_table_rates_each_process_count_by_its_median_step_after_the_first_two():
     # 100 tokens a process; the first two steps of each run (compiling, building communicators) are left out.
     steps = pd.DataFrame({"processes": [1] * 5 + [2] * 5,
@@ -106,7 +119,7 @@ def test_the_scaling_targets_are_judged_from_each_strategys_launch(tmp_path):
     report = check_scaling_targets(steps, tmp_path / "targets.md", "NVIDIA H200")
     assert "| ddp on 2: ≥ 1.95× one's tokens/s | 1.96× | True |" in report
     assert "| fsdp on 2: ≥ 1.85× one's tokens/s | 1.80× | False |" in report
-    assert "| fsdp tokens/s per process ≥ 0.8× ddp's | 0.92× | True |" in report
+    assert "| fsdp on 2: tokens/s per process ≥ 0.8× ddp's | 0.92× | True |" in report
     assert (tmp_path / "targets.md").read_text() == report
 
 
