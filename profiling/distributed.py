@@ -346,18 +346,18 @@ def format_scaling_table(table: pd.DataFrame) -> str:
     return pd.DataFrame(shown).to_string(index=False)
 
 
-SEVERAL_GPU_RUN = Path(__file__).parent / "results" / "h200x2" / "distributed.csv"
+SEVERAL_GPU_RUN = Path(__file__).parent / "results" / "h100x4" / "distributed.csv"
 """Where the lesson looks for a launch on several GPUs (the GPU suite's distributed part writes it)."""
 
-SEVERAL_GPU_COMMAND = "python -m profiling.gpu_suite --part distributed --out profiling/results/h200x2"
-"""DDP and FSDP2 of GPT-2 small at level 5 in bf16 on every GPU, each after one GPU alone (gpu_suite)."""
+SEVERAL_GPU_COMMAND = "python -m profiling.gpu_suite --part distributed --out profiling/results/h100x4"
+"""DDP and FSDP2 of GPT-2 small at level 5 in bf16 on one GPU, then 2, 4, ... and all (gpu_suite)."""
 
 
 def show_several_gpu_run(path: Path = SEVERAL_GPU_RUN) -> None:
     """Print the scaling table of every run in ``path``, or, where no several-GPU run exists yet, the
     command that makes one."""
     if not path.exists():
-        print("no several-GPU run yet. On a machine with 2 GPUs, this command, from the repository's root, "
+        print("no several-GPU run yet. On a machine with 2 or more GPUs, this command, from the repository's root, "
               f"makes the one shown here:\n  {SEVERAL_GPU_COMMAND}")
         return
     steps = pd.read_csv(path)

@@ -17,7 +17,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
     python -m profiling.gpu_suite --part versions  --out profiling/results/h100   # the climb to a kernel
     python -m profiling.gpu_suite --part hopper    --out profiling/results/h100   # attention vs sequence length
-    python -m profiling.gpu_suite --part distributed --out profiling/results/h200x2  # DDP and FSDP, every GPU
+    python -m profiling.gpu_suite --part distributed --out profiling/results/h100x4  # DDP and FSDP, every GPU
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
