@@ -248,6 +248,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                              "again for its backward (less memory, a third more traffic)")
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="DDP: megabytes of gradients a bucket "
                         "(an all-reduce) holds")
+    parser.add_argument("--each-alone", action="store_true",
+                        help="last, every process trains alone at the same time, each on its own one-process group: "
+                             "what sharing the machine costs with nothing sent (with --csv, written beside it)")
     parser.add_argument("--csv", help="rank 0 writes every step's loss and time here")
     parser.add_argument("--breakdown", metavar="DIR",
                         help="after each run's timed steps, profile 3 more (profiling.breakdown); rank 0 prints "
@@ -401,6 +404,19 @@ def plot_several_gpu_breakdown(table: pd.DataFrame, ax=None):
     return ax
 
 
+def each_alone_at_once(arguments: argparse.Namespace, level: str, device: torch.device) -> list[float]:
+    """Every process trains alone at the same time, each on a one-process group of its own; each one's
+    tokens/s, in rank order, on every process. Nothing passes between the processes, but they share
+    the host (its cores, its memory, the OS's scheduling) as a run on all of them does: what a process
+    loses here against process 0 alone, the run on all of them loses without sending a byte."""
+    own_groups = [dist.new_group([member]) for member in range(dist.get_world_size())]  # every process makes every group
+    unprofiled = argparse.Namespace(**{**vars(arguments), "breakdown": None})
+    steps = pd.DataFrame(timed_steps(unprofiled, level, device, own_groups[dist.get_rank()]))
+    rates = [None] * dist.get_world_size()
+    dist.all_gather_object(rates, tokens_per_second(steps, 1, arguments.batch * arguments.seq))
+    return rates
+
+
 def main(argv=None) -> NoReturn:
     """Train on the first N processes for each N of ``--processes`` (default 1 and all), smallest first,
     each N on its own group, wrapped the same way, while the others wait: scaling efficiency, tokens/s
@@ -427,6 +443,7 @@ def main(argv=None) -> NoReturn:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # this run's model and optimizer state are garbage by now
         dist.barrier()
+    alone_at_once = each_alone_at_once(arguments, level, device) if arguments.each_alone and world > 1 else None
     if rank == 0:
         table = pd.DataFrame(records).assign(level=level, strategy=arguments.strategy, config=arguments.config,
                                              device=arguments.device, dtype=arguments.dtype, batch=arguments.batch,
@@ -436,7 +453,19 @@ def main(argv=None) -> NoReturn:
         print(format_scaling_table(scaling_table(table, arguments.batch * arguments.seq)))
         if arguments.csv:
             table.to_csv(arguments.csv, index=False)
+        if alone_at_once:
+            print("each process alone, all at once (nothing to send, the host shared): "
+                  + ", ".join(f"{rate:,.0f}" for rate in alone_at_once) + " tokens/s")
+            if arguments.csv:
+                pd.DataFrame({"process": range(world), "tokens_per_s": alone_at_once}).to_csv(
+                    each_alone_path(arguments.csv), index=False)
     leave_process_group()
+
+
+def each_alone_path(csv: str | Path) -> Path:
+    """Where ``--each-alone`` writes each process's tokens/s beside the steps' CSV ``csv``."""
+    csv = Path(csv)
+    return csv.with_name(f"{csv.stem}-each-alone.csv")
 
 
 if __name__ == "__main__":

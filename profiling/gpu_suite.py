@@ -518,7 +518,7 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
     5 in bf16, 8 × 1024 tokens a GPU, each launch timing one GPU alone first), their steps in
     ``distributed.csv`` and the scaling targets; on the CPU, a dry run of two gloo processes on the
     tiny GPT."""
-    from .distributed import STRATEGIES
+    from .distributed import STRATEGIES, each_alone_path
 
     if device.type == "cuda":
         processes = torch.cuda.device_count()
@@ -532,24 +532,29 @@ def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
     strategies = [strategy for strategy in STRATEGIES if _chosen(strategy, only)]
     if not strategies:
         return f"distributed: no strategy matches --only {only!r} (strategies: {', '.join(STRATEGIES)})"
-    runs = []
+    runs, alone = [], []
     for strategy in strategies:
         csv = out / f"distributed-{strategy}.csv"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                         "-m", "profiling.distributed", "--level", "cuda", "--strategy", strategy, "--device",
-                        device.type, *settings, "--processes", *map(str, counts), "--csv", str(csv),
+                        device.type, *settings, "--processes", *map(str, counts), "--each-alone", "--csv", str(csv),
                         "--breakdown", str(out)], check=True, timeout=480)
         runs.append(pd.read_csv(csv))
+        alone.append(pd.read_csv(each_alone_path(csv)).assign(strategy=strategy))
         csv.unlink()
-    steps = pd.concat(runs)
+        each_alone_path(csv).unlink()
+    steps, each_alone = pd.concat(runs), pd.concat(alone)
     steps.to_csv(out / "distributed.csv", index=False)
+    each_alone.to_csv(out / "distributed-each-alone.csv", index=False)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return check_scaling_targets(steps, out / "targets-distributed.md", machine)
+    return check_scaling_targets(steps, out / "targets-distributed.md", machine, each_alone)
 
 
-def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str) -> str:
+def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str, each_alone: pd.DataFrame | None = None) -> str:
     """The scaling targets judged on one launch per strategy (``run_distributed``'s steps) on
-    processes of ``machine`` (one each), as a markdown table written to ``path`` and returned."""
+    processes of ``machine`` (one each), as a markdown table written to ``path`` and returned; with
+    ``each_alone`` (``--each-alone``'s rates, a ``strategy`` column added), each strategy's rate of
+    every process alone, all at once, beside its table."""
     from .distributed import format_scaling_table, scaling_table
 
     tables = {strategy: scaling_table(run, int(run["batch"].iloc[0] * run["seq"].iloc[0]))
@@ -572,6 +577,9 @@ def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str) -> str:
         lines.append(f"| fsdp on {processes}: tokens/s per process ≥ {FSDP_PER_GPU_VERSUS_DDP:g}× ddp's | {ratio:.2f}× | "
                      f"{ratio >= FSDP_PER_GPU_VERSUS_DDP} |")
     lines += [""] + [f"{strategy}:\n\n```\n{format_scaling_table(table)}\n```" for strategy, table in tables.items()]
+    for strategy, rates in ([] if each_alone is None else each_alone.groupby("strategy")):
+        lines.append(f"\n{strategy}, each process alone, all at once (its own one-process group, nothing to send): "
+                     + ", ".join(f"{rate:,.0f}" for rate in rates.sort_values("process")["tokens_per_s"]) + " tokens/s")
     report = "\n".join(lines) + "\n"
     path.write_text(report)
     return report

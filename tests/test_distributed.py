@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing
 
 from levels import TOLERANCE, relative_max_error
-from profiling.distributed import (BLOCKS_PER_UNIT, EVERY_GATHER, format_scaling_table, scaling_table,
-                                  show_several_gpu_run, train_steps, two_process_worker)
+from profiling.distributed import (BLOCKS_PER_UNIT, EVERY_GATHER, each_alone_path, format_scaling_table,
+                                  scaling_table, show_several_gpu_run, train_steps, two_process_worker)
 
 STEPS, BATCH, SEQ = 2, 4, 16
 
@@ -48,16 +48,20 @@ def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(leve
 
 def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
     """``torchrun -m profiling.distributed`` trains on process 0 alone, then on both, and prints the
-    scaling efficiency of the two runs; rank 0's CSV holds every step of both."""
+    scaling efficiency of the two runs; rank 0's CSV holds every step of both. With ``--each-alone``
+    both processes then train alone at once, and each one's rate is written beside the CSV."""
     csv = tmp_path / "steps.csv"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "profiling.distributed",
-               "--level", "native", "--strategy", "ddp", "--device", "cpu", "--steps", "3", "--csv", str(csv)]
+               "--level", "native", "--strategy", "ddp", "--device", "cpu", "--steps", "3", "--csv", str(csv),
+               "--each-alone"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "scaling efficiency" in result.stdout
+    assert "scaling efficiency" in result.stdout and "each process alone, all at once" in result.stdout
     table = pd.read_csv(csv)
     assert table.groupby("processes")["step"].apply(list).to_dict() == {1: [0, 1, 2], 2: [0, 1, 2]}
     assert (table["seconds"] > 0).all() and table["loss"].notna().all()
+    each_alone = pd.read_csv(each_alone_path(csv))
+    assert each_alone["process"].tolist() == [0, 1] and (each_alone["tokens_per_s"] > 0).all()
 
 
 def test_the_launcher_times_each_process_count_it_is_given_on_that_many_processes(tmp_path):
@@ -116,10 +120,12 @@ def test_the_scaling_targets_are_judged_from_each_strategys_launch(tmp_path):
     # ddp: 50 tokens/s alone, 2 × 49 together: 1.96× (target 1.95, met). fsdp: 50 alone, 2 × 45: 1.80×
     # (target 1.85, missed); fsdp per process 45 against ddp's 49: 0.92× (target 0.8, met).
     steps = pd.concat([_launch_steps("ddp", 2.0, 100 / 49), _launch_steps("fsdp", 2.0, 100 / 45)])
-    report = check_scaling_targets(steps, tmp_path / "targets.md", "NVIDIA H200")
+    each_alone = pd.DataFrame({"process": [1, 0], "tokens_per_s": [47.0, 50.0], "strategy": "ddp"})
+    report = check_scaling_targets(steps, tmp_path / "targets.md", "NVIDIA H200", each_alone)
     assert "| ddp on 2: ≥ 1.95× one's tokens/s | 1.96× | True |" in report
     assert "| fsdp on 2: ≥ 1.85× one's tokens/s | 1.80× | False |" in report
     assert "| fsdp on 2: tokens/s per process ≥ 0.8× ddp's | 0.92× | True |" in report
+    assert "ddp, each process alone, all at once (its own one-process group, nothing to send): 50, 47 tokens/s" in report
     assert (tmp_path / "targets.md").read_text() == report
 
 
@@ -133,6 +139,8 @@ def test_the_gpu_suites_distributed_part_has_a_dry_run_on_the_cpu(tmp_path):
     assert sorted(steps.groupby(["strategy", "processes"]).size().items()) == [
         (("ddp", 1), 4), (("ddp", 2), 4), (("fsdp", 1), 4), (("fsdp", 2), 4)]
     assert (tmp_path / "targets-distributed.md").read_text().count("| ddp") == 1
+    each_alone = pd.read_csv(tmp_path / "distributed-each-alone.csv")
+    assert sorted(each_alone.groupby("strategy")["process"].apply(list).items()) == [("ddp", [0, 1]), ("fsdp", [0, 1])]
 
 
 def test_the_breakdown_groups_each_runs_kernels_into_compute_communication_and_idle(tmp_path):
