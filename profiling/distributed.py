@@ -14,7 +14,8 @@ parameters; FSDP gathers a unit's parameters before its forward runs), which ``s
 two-process test check, parameter by parameter, against one process on the whole batch.
 
 Rank 0 shows a progress bar, prints ``scaling_table`` (tokens/s per process and in total, speedup and
-scaling efficiency) and writes a CSV of the loss and time of every step. Scaling efficiency is a ratio
+scaling efficiency) and writes a CSV of the loss and time of every step. ``--each-alone`` adds a last
+run in which every process trains alone at once: what sharing the machine costs, with nothing sent. Scaling efficiency is a ratio
 of two runs, N processes against one, on the same per-process batch; ``show_several_gpu_run`` prints
 the table of the committed several-GPU run, which lesson 11 shows.
 """
@@ -269,8 +270,7 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
     the wrappers' hooks, the OS) makes them; queued ahead, a host's jitter is absorbed while its GPU
     works. (Level 5's loss still waits once a step for its count of valid targets, so the host runs at
     most a forward ahead.) Each step's time is read on the GPU's stream (``seconds_per_run``), and the
-    batches are on the device before the first step, so no copy from the host waits inside one. On
-    4 × H100 this moved FSDP's speedup on 2 GPUs from 1.37× to 1.75×, DDP's within the noise."""
+    batches are on the device before the first step, so no copy from the host waits inside one."""
     from tqdm.auto import tqdm
 
     from .timing import seconds_per_run

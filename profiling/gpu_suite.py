@@ -38,9 +38,11 @@ Without --part every part runs in turn. Each part writes, under --out:
     hopper-attention.csv/.png  hopper: causal attention TFLOP/s over sequence lengths 512 … 16384 at head
                              dims 64 and 128, level 5's mma.sync and sm_90a kernels beside level 4 and
                              SDPA's cuDNN and flash (profiling.hopper; its --ncu adds hopper-ncu.csv)
-    distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on all of them
-                             (profiling.distributed under torchrun; the machine needs 2 or more GPUs),
-                             and breakdown-<strategy>-<processes>.csv: each run's kernels, NCCL's included
+    distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on 2, 4, ...
+                             and all of them (profiling.distributed under torchrun; the machine needs 2
+                             or more GPUs); distributed-each-alone.csv: every GPU's rate training alone,
+                             all at once; breakdown-<strategy>-<processes>.csv: each run's kernels, NCCL's
+                             included
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
@@ -515,9 +517,10 @@ and latency, not most of the speed."""
 
 def run_distributed(device: torch.device, out: Path, only: str = "") -> str:
     """DDP and FSDP2 on every visible GPU (``profiling.distributed`` under torchrun: GPT-2 small at level
-    5 in bf16, 8 × 1024 tokens a GPU, each launch timing one GPU alone first), their steps in
-    ``distributed.csv`` and the scaling targets; on the CPU, a dry run of two gloo processes on the
-    tiny GPT."""
+    5 in bf16, 8 × 1024 tokens a GPU, each launch timing one GPU alone, then 2, 4, ... and all, then
+    every GPU alone at once), their steps in ``distributed.csv``, the last run's rates in
+    ``distributed-each-alone.csv`` and the scaling targets; on the CPU, a dry run of two gloo processes
+    on the tiny GPT."""
     from .distributed import STRATEGIES, each_alone_path
 
     if device.type == "cuda":
