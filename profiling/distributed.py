@@ -370,6 +370,43 @@ def show_several_gpu_run(path: Path = SEVERAL_GPU_RUN) -> None:
         print(format_scaling_table(scaling_table(run, batch * seq)))
 
 
+def plot_several_gpu_run(path: Path = SEVERAL_GPU_RUN, axes=None):
+    """``path``'s run (``show_several_gpu_run``) in two panels. Left: tokens/s in total against the
+    number of GPUs, for each strategy beside its line of perfect scaling from one GPU's rate and, where
+    ``--each-alone`` ran (``each_alone_path``), a star at the sum of every GPU's rate alone at once:
+    the GPUs with nothing to send but the host shared. Right: every step's time after the first two,
+    one row per strategy and GPU count, a tick per step and a dot at the median."""
+    import matplotlib.pyplot as plt
+
+    steps = pd.read_csv(path)
+    alone_path = each_alone_path(path)
+    each_alone = pd.read_csv(alone_path) if alone_path.exists() else pd.DataFrame(columns=["strategy", "tokens_per_s"])
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    scaling, spread = axes
+    for (strategy, run), color in zip(steps.groupby("strategy"), ("tab:blue", "tab:orange", "tab:green")):
+        table = scaling_table(run, int(run["batch"].iloc[0] * run["seq"].iloc[0]))
+        one_gpu = table.loc[table["processes"] == 1, "tokens_per_s"].iloc[0]
+        scaling.plot(table["processes"], table["tokens_per_s"] / 1e3, "o-", color=color, label=strategy)
+        scaling.plot(table["processes"], table["processes"] * one_gpu / 1e3, ":", color=color,
+                     label=f"{strategy}: N × one GPU")
+        alone = each_alone.loc[each_alone["strategy"] == strategy, "tokens_per_s"]
+        if len(alone):
+            scaling.plot([len(alone)], [alone.sum() / 1e3], "*", markersize=12, color=color,
+                         label=f"{strategy}: every GPU alone, at once")
+    scaling.set(xlabel="GPUs", ylabel="thousand tokens/s in total", xticks=sorted(steps["processes"].unique()))
+    scaling.legend(fontsize="small")
+    for row, ((strategy, processes), run) in enumerate(steps.groupby(["strategy", "processes"])):
+        milliseconds = run["seconds"].iloc[2:] * 1e3  # as scaling_table: the first two steps warm up
+        spread.plot(milliseconds, [row] * len(milliseconds), "|", markersize=10, color="tab:gray")
+        spread.plot([milliseconds.median()], [row], "o", color="black")
+    labels = [f"{strategy} × {processes}" for strategy, processes in steps.groupby(["strategy", "processes"]).groups]
+    spread.set_yticks(range(len(labels)), labels)
+    spread.invert_yaxis()
+    spread.set_xlabel("ms per step (ticks: steps, dot: median)")
+    return axes
+
+
 TIME_GROUPS = {"communication": "communication", "idle": "idle (the GPU waits for the host)"}
 """How ``several_gpu_breakdown`` groups the profile's kinds of work: these two apart, the rest as compute."""
 

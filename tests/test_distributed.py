@@ -155,3 +155,22 @@ def test_the_breakdown_groups_each_runs_kernels_into_compute_communication_and_i
     assert table.loc["ddp × 2"].tolist() == [5.5, 3.0, 1.5]
     assert table.loc["ddp × 1"].tolist() == [5.5, 0.0, 1.5]
     assert several_gpu_breakdown(tmp_path / "nothing here").empty
+
+
+def test_the_several_gpu_plot_draws_each_strategys_scaling_its_ideal_line_and_every_step(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from profiling.distributed import plot_several_gpu_run
+
+    path = tmp_path / "distributed.csv"
+    pd.concat([_launch_steps("ddp", 2.0, 2.5), _launch_steps("fsdp", 2.0, 4.0)]).to_csv(path, index=False)
+    pd.DataFrame({"process": [0, 1], "tokens_per_s": [50.0, 45.0], "strategy": "ddp"}).to_csv(
+        each_alone_path(path), index=False)
+    scaling, spread = plot_several_gpu_run(path)
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in scaling.get_lines()}
+    # 100 tokens a process and step: ddp 50 tokens/s alone, 2 × 40 together; fsdp 50, 2 × 25 (in thousands).
+    assert drawn["ddp"] == ([1, 2], [0.05, 0.08]) and drawn["ddp: N × one GPU"] == ([1, 2], [0.05, 0.1])
+    assert drawn["fsdp"] == ([1, 2], [0.05, 0.05]) and drawn["ddp: every GPU alone, at once"] == ([2], [0.095])
+    assert "fsdp: every GPU alone, at once" not in drawn  # only ddp's rates were written
+    assert [label.get_text() for label in spread.get_yticklabels()] == ["ddp × 1", "ddp × 2", "fsdp × 1", "fsdp × 2"]
