@@ -396,11 +396,12 @@ def plot_several_gpu_run(path: Path = SEVERAL_GPU_RUN, axes=None):
                          label=f"{strategy}: every GPU alone, at once")
     scaling.set(xlabel="GPUs", ylabel="thousand tokens/s in total", xticks=sorted(steps["processes"].unique()))
     scaling.legend(fontsize="small")
+    labels = []
     for row, ((strategy, processes), run) in enumerate(steps.groupby(["strategy", "processes"])):
         milliseconds = run["seconds"].iloc[2:] * 1e3  # as scaling_table: the first two steps warm up
         spread.plot(milliseconds, [row] * len(milliseconds), "|", markersize=10, color="tab:gray")
         spread.plot([milliseconds.median()], [row], "o", color="black")
-    labels = [f"{strategy} × {processes}" for strategy, processes in steps.groupby(["strategy", "processes"]).groups]
+        labels.append(f"{strategy} × {processes}")
     spread.set_yticks(range(len(labels)), labels)
     spread.invert_yaxis()
     spread.set_xlabel("ms per step (ticks: steps, dot: median)")
@@ -439,6 +440,12 @@ def plot_several_gpu_breakdown(table: pd.DataFrame, ax=None):
     ax.set_xlabel("ms of device time per training step")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize="small", frameon=False)
     return ax
+
+
+def each_alone_path(csv: str | Path) -> Path:
+    """Where ``--each-alone`` writes each process's tokens/s beside the steps' CSV ``csv``."""
+    csv = Path(csv)
+    return csv.with_name(f"{csv.stem}-each-alone.csv")
 
 
 def each_alone_at_once(arguments: argparse.Namespace, level: str, device: torch.device) -> list[float]:
@@ -497,12 +504,6 @@ def main(argv=None) -> NoReturn:
                 pd.DataFrame({"process": range(world), "tokens_per_s": alone_at_once}).to_csv(
                     each_alone_path(arguments.csv), index=False)
     leave_process_group()
-
-
-def each_alone_path(csv: str | Path) -> Path:
-    """Where ``--each-alone`` writes each process's tokens/s beside the steps' CSV ``csv``."""
-    csv = Path(csv)
-    return csv.with_name(f"{csv.stem}-each-alone.csv")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def _cached_tables(device: torch.device, addresses: tuple[int, ...], numels: tup
     first_program_of_tensor = torch.cumsum(chunks, 0) - chunks
     chunk_of_program = torch.arange(tensor_of_program.numel()) - first_program_of_tensor[tensor_of_program]
     programs = torch.stack((tensor_of_program, chunk_of_program), dim=1).to(torch.int32)
-    aligned = all(address % VECTOR_BYTES == 0 for address in addresses) and all(n % vector == 0 for n in numels)
+    aligned = _vector_aligned(addresses) and all(n % vector == 0 for n in numels)
     return (programs.to(device, non_blocking=True),
             torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True),
             torch.tensor(numels, dtype=torch.int64).to(device, non_blocking=True), aligned)
@@ -233,8 +233,12 @@ def _cached_grad_addresses(device: torch.device, addresses: tuple[int, ...]) -> 
     sizes, so PyTorch's caching allocator often hands out the same addresses again: then this is a
     cache hit, and no copy. On a miss, non_blocking: CUDA stages the small pageable table at once, and
     the host does not wait for the GPU's queue to reach the copy."""
-    aligned = all(address % VECTOR_BYTES == 0 for address in addresses)
-    return torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True), aligned
+    return torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True), _vector_aligned(addresses)
+
+
+def _vector_aligned(addresses: tuple[int, ...]) -> bool:
+    """Whether every address is a multiple of VECTOR_BYTES: where a thread's 16-byte access may start."""
+    return all(address % VECTOR_BYTES == 0 for address in addresses)
 
 
 def _halves(values, dtype: torch.dtype) -> list[float]:
