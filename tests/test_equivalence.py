@@ -59,11 +59,11 @@ def test_inference_forward_matches_float64_reference(component, config, shape, l
 # --- level 4's row-length strategies (launch.row_strategy), each forced at a size the interpreter runs in
 # seconds, for the row-wise components that choose one ---------------------------------------------------
 
+NORM_SPLIT_FORWARD_KERNELS = {"_norm_fwd_split_statistics_kernel", "_norm_fwd_split_normalize_kernel"}
 NORM_SPLIT_BACKWARD_KERNELS = {"_norm_bwd_split_sums_kernel", "_norm_bwd_split_dx_kernel"}
-NORM_SPLIT_KERNELS = {"_norm_fwd_split_statistics_kernel", "_norm_fwd_split_normalize_kernel",
-                      *NORM_SPLIT_BACKWARD_KERNELS}
-SOFTMAX_SPLIT_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel",
-                         "_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
+NORM_SPLIT_KERNELS = NORM_SPLIT_FORWARD_KERNELS | NORM_SPLIT_BACKWARD_KERNELS
+SOFTMAX_SPLIT_FORWARD_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel"}
+SOFTMAX_SPLIT_KERNELS = SOFTMAX_SPLIT_FORWARD_KERNELS | {"_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
 STRATEGY_CASES = {
     # case: (the strategy, the launch settings that force it, (rows, N),
     #        kernels it must launch for LayerNorm and RMSNorm, and for softmax)
@@ -90,13 +90,64 @@ STRATEGY_CASES = {
 }
 
 
+# On a GPU the forwards read every row too long for one program once, across a cooperative grid
+# (launch.row_strategy's "cooperative"); the backward keeps the split. Cases: a few rows, one slice
+# short; more rows than the grid holds at once, so that every program walks several; bfloat16; and two
+# that take the split's two phases: rows of more slices than the GPU holds programs, and rows so long
+# that fewer than launch.COOPERATIVE_MIN_ROWS_AT_ONCE fit at once.
+COOPERATIVE_CASES = {
+    "few-rows": ((3, 40000), torch.float32, "cooperative"),
+    "many-rows": ((300, 40000), torch.float32, "cooperative"),
+    "bfloat16": ((5, 70000), torch.bfloat16, "cooperative"),
+    "beyond-the-grid": ((2, 9_000_000), torch.float32, "split"),
+    "lockstep": ((16, 2_097_152), torch.float32, "split"),
+}
+
+
 @pytest.mark.parametrize("case", STRATEGY_CASES)
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
 @pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
 def test_every_row_strategy_matches_float64_reference(component, case, device, monkeypatch):
-    launch_module = importlib.import_module("triton_kernels.launch")
     strategy, settings, shape, norm_kernels, softmax_kernels = STRATEGY_CASES[case]
-    kernels = softmax_kernels if component == "softmax" else norm_kernels
+    _check_row_strategy(component, device, strategy, {"COOPERATIVE_ROWS": False, **settings}, shape, torch.float32,
+                        softmax_kernels if component == "softmax" else norm_kernels, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", COOPERATIVE_CASES)
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
+def test_cooperative_forward_matches_float64_reference(component, case, monkeypatch):
+    shape, dtype, forward_path = COOPERATIVE_CASES[case]
+    if forward_path == "split":
+        kernels = SOFTMAX_SPLIT_FORWARD_KERNELS if component == "softmax" else NORM_SPLIT_FORWARD_KERNELS
+    else:
+        kernels = {"_softmax_fwd_cooperative_kernel" if component == "softmax" else "_norm_fwd_cooperative_kernel"}
+    _check_row_strategy(component, "cuda", "cooperative", {}, shape, dtype, kernels, monkeypatch)
+
+
+def test_the_interpreter_never_runs_a_cooperative_grid():
+    """Its programs run one after another: a program waiting for its row's others would wait forever."""
+    launch_module = importlib.import_module("triton_kernels.launch")
+    assert launch_module.row_strategy(1, 40000, torch.empty(0), one_array=True, cooperative=True) == "split"
+    assert launch_module.row_strategy(600, 40000, torch.empty(0), cooperative=True) == "looped"
+
+
+def _recording(launcher, launched: set):
+    """``launcher`` (launch.launch or launch.launch_cooperative), adding the name of each kernel that it
+    starts to ``launched`` (a cooperative launch that declines starts nothing)."""
+    def recording_launcher(kernel, *args, **kwargs):
+        started = launcher(kernel, *args, **kwargs)
+        if started is not False:
+            launched.add(kernel.__name__)
+        return started
+    return recording_launcher
+
+
+def _check_row_strategy(component, device, strategy, settings, shape, dtype, kernels, monkeypatch):
+    """``component`` at level 4 on (rows, N) ``shape``, with ``settings`` of triton_kernels.launch forced,
+    takes ``strategy``, launches (at least) ``kernels`` and matches the float64 reference, with and
+    without gradients."""
+    launch_module = importlib.import_module("triton_kernels.launch")
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
@@ -105,21 +156,19 @@ def test_every_row_strategy_matches_float64_reference(component, case, device, m
         for module_name in ("triton_kernels.layer_norm", "triton_kernels.layer_norm_backward",
                             "triton_kernels.layer_norm_split", "triton_kernels.softmax", "triton_kernels.softmax_split"):
             kernel_module = importlib.import_module(module_name)
-
-            def recording_launch(kernel, *args, _launch=kernel_module.launch, **kwargs):
-                launched.add(kernel.__name__)
-                return _launch(kernel, *args, **kwargs)
-
-            monkeypatch.setattr(kernel_module, "launch", recording_launch)
+            for launcher in ("launch", "launch_cooperative"):
+                if hasattr(kernel_module, launcher):
+                    monkeypatch.setattr(kernel_module, launcher, _recording(getattr(kernel_module, launcher), launched))
         config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
-        module, reference = build_pair(component, "triton", config, device, torch.float32)
-        inputs = make_inputs(module, shape, torch.float32, device)
-        assert launch_module.row_strategy(*shape, inputs[0]) == strategy
-        assert_matches_float64_reference(module, reference, inputs, TOLERANCE[torch.float32])
+        module, reference = build_pair(component, "triton", config, device, dtype)
+        inputs = make_inputs(module, shape, dtype, device)
+        assert launch_module.row_strategy(*shape, inputs[0], one_array=component == "softmax",
+                                          cooperative=True) == strategy
+        assert_matches_float64_reference(module, reference, inputs, TOLERANCE[dtype])
         with torch.no_grad():  # inference: no statistics stored
             output, expected = module(*inputs), reference(*map(as_reference_input, inputs))
-        assert relative_max_error(output, expected) <= TOLERANCE[torch.float32]
-        assert kernels <= launched, f"{case} launched {sorted(launched)}"
+        assert relative_max_error(output, expected) <= TOLERANCE[dtype]
+        assert kernels <= launched, f"{strategy} launched {sorted(launched)}"
     finally:
         monkeypatch.undo()
         launch_module.row_tile.cache_clear()

@@ -10,6 +10,7 @@ profiling/results/host_path.md.)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import operator
 import os
@@ -284,6 +285,15 @@ SPLIT_MAX_ROWS_PER_SM = 2
 leave SMs idle (an H100 has 132), or keep one long row's loop on one SM while the others wait."""
 SPLIT_BLOCK = 4096
 """Elements of a split row that one program owns: a slice held in registers, 16 KB in float32."""
+COOPERATIVE_ROWS = True
+"""Whether ``row_strategy`` may answer ``"cooperative"`` (on a GPU): tests switch it off to run the
+looped and split forwards there too."""
+COOPERATIVE_MIN_ROWS_AT_ONCE = 8
+"""A cooperative grid must hold this many rows at once (or all of them), else the split's two phases
+run instead. With fewer, every program waits on the same row or two, so the whole GPU stops loading
+while they wait: on an H100, LayerNorm over float32 rows of 524,288 (5 rows at once) moved 53 % of copy
+bandwidth cooperatively against 63 % in two phases, softmax at the same length (8 at once) 76 against
+63 %, and rows of 2,097,152 (one at a time) lost everywhere (49-58 % against 63-65 %)."""
 
 
 @triton.jit
@@ -303,7 +313,30 @@ def split_row_partials(row, n_slices, BLOCK_SLICES: tl.constexpr):
     return tl.cast(row, tl.int64) * n_slices + slices, slices < n_slices
 
 
-def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
+@triton.jit
+def arrive_and_wait(Arrivals, expected):
+    """A barrier for the ``expected`` programs that share one row in a cooperative kernel: count this
+    program in at the int32 ``Arrivals`` (zeroed before the launch), then spin until all have arrived.
+
+    Why it is safe: the partial statistics a program stored before it arrives are visible to every
+    program that leaves the wait. All threads' stores are done at the CTA barrier; the arrival is an
+    acquire-release atomic at GPU scope (PTX's release is cumulative over what the CTA barrier ordered
+    before it); the spin's loads are acquires. Readers then load the partials with ``.cg`` (L2, never a
+    stale L1 line: a neighbouring row's partials share the 128-byte line). It cannot hang only because
+    a cooperative launch guarantees that every program of the grid is resident at once
+    (``launch_cooperative``); under the interpreter, which runs programs one after another, it would."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Arrivals, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < expected:
+        arrived = tl.atomic_add(Arrivals, 0, sem="acquire", scope="gpu")
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = False, cooperative: bool = False) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 
     ``"tiled"``     short rows (``row_tile``'s block below ``MIN_TILE``): several rows a program, so each
@@ -314,12 +347,21 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor) -> str:
     ``"split"``     rows of at least ``SPLIT_MIN_ROW`` elements, fewer than ``SPLIT_MAX_ROWS_PER_SM`` per SM:
                     each row is cut into slices of ``SPLIT_BLOCK``, one program each; phase 1 reduces the
                     slices to partial statistics, phase 2 combines them and normalises
-                    (layer_norm_split.py, softmax_split.py).
+                    (layer_norm_split.py, softmax_split.py);
+    ``"cooperative"`` on a GPU, for a kernel that has a ``cooperative`` version (the forwards), every row
+                    too long for one program's registers (``one_array``: as ``row_tile`` counts them):
+                    slices of ``SPLIT_BLOCK`` in registers across a grid whose programs are all resident,
+                    which wait for their row's partial statistics instead of re-reading the row. The row
+                    crosses DRAM once, where "looped" and "split" read it twice (at most 2/3 of copy
+                    bandwidth). The interpreter never gets it: it runs programs one at a time, so one that
+                    waits for another would wait forever.
 
     The thresholds are module constants read at each call, so a test can lower them (and clear
     ``row_tile``'s cache) to run every strategy at sizes the interpreter takes in seconds. The
     interpreter counts as one SM."""
     # The row length first: the usual short row never asks for the SM count.
+    if cooperative and COOPERATIVE_ROWS and tensor.is_cuda and row_tile(n, one_array).looped:
+        return "cooperative"
     if n >= SPLIT_MIN_ROW and rows < SPLIT_MAX_ROWS_PER_SM * (
             _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 1):
         return "split"
@@ -379,18 +421,12 @@ def launch(kernel, grid, *args, **constants) -> None:
         kernel[grid](*args, **constants)
         return
     device = _current_cuda_device()
-    # The tensors' part of the key is written inline: most arguments are tensors, and a function call
-    # per argument was a quarter of this function's time.
-    key = (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
-           *[(arg.dtype, arg.data_ptr() & 15) if isinstance(arg, torch.Tensor)
-             else (_INT_KEYS.get(arg) or _int_key(arg)) if type(arg) is int else type(arg) for arg in args],
-           *constants.items())
+    key = _launch_key(kernel, device, args, constants)
     entry = _compiled_kernels.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **constants)  # Triton binds, specializes, compiles or finds, launches
         if isinstance(compiled, triton.compiler.CompiledKernel):
-            tail = tuple(constants[p.name] if p.name in constants else p.default for p in kernel.params[len(args):])
-            _compiled_kernels[key] = (kernel, compiled, tail)
+            _compiled_kernels[key] = (kernel, compiled, _constant_tail(kernel, args, constants))
         return
     _, compiled, tail = entry
     # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
@@ -398,6 +434,61 @@ def launch(kernel, grid, *args, **constants) -> None:
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                  _current_raw_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
+
+
+def _launch_key(kernel, device: int, args, constants: dict) -> tuple:
+    # The tensors' part of the key is written inline: most arguments are tensors, and a function call
+    # per argument was a quarter of launch's time.
+    return (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
+            *[(arg.dtype, arg.data_ptr() & 15) if isinstance(arg, torch.Tensor)
+              else (_INT_KEYS.get(arg) or _int_key(arg)) if type(arg) is int else type(arg) for arg in args],
+            *constants.items())
+
+
+def _constant_tail(kernel, args, constants: dict) -> tuple:
+    """The parameters after the positional ``args``, in order, as the generated launcher takes them."""
+    return tuple(constants[p.name] if p.name in constants else p.default for p in kernel.params[len(args):])
+
+
+_cooperative_kernels: dict[tuple, tuple] = {}
+
+
+def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bool:
+    """Launch ``kernel`` over ``rows`` rows of ``slices`` slices as one cooperative grid, whose programs
+    may wait on each other (``arrive_and_wait``): program p owns slice p % slices of rows p // slices,
+    then that plus the rows at once, and so on. A cooperative launch starts every program at once or
+    not at all: the driver refuses a grid larger than the GPU holds with an error, never a hang.
+
+    The grid holds as many whole rows at once as fit: the CUDA driver says how many programs an SM
+    holds, from the compiled kernel's registers, shared memory and warps
+    (``cuOccupancyMaxActiveBlocksPerMultiprocessor``, the arithmetic by which it would refuse), asked
+    once per compiled kernel and kept beside it. Returns False, launching nothing, when fewer than
+    ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit: the caller runs its two phases."""
+    constants["launch_cooperative_grid"] = True
+    device = _current_cuda_device()
+    key = _launch_key(kernel, device, args, constants)
+    entry = _cooperative_kernels.get(key)
+    if entry is None:
+        compiled = kernel.warmup(*args, grid=(1,), **constants)  # compiles (or finds) without launching
+        compiled._init_handles()  # loads the binary: its CUfunction handle is what the driver is asked about
+        per_multiprocessor = ctypes.c_int()
+        result = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(per_multiprocessor), ctypes.c_void_p(compiled.function),
+            ctypes.c_int(32 * compiled.metadata.num_warps), ctypes.c_size_t(compiled.metadata.shared))
+        if result != 0:
+            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {result}")
+        entry = _cooperative_kernels[key] = (kernel, compiled, per_multiprocessor.value * _multiprocessor_count(device),
+                                             _constant_tail(kernel, args, constants))
+    _, compiled, resident, tail = entry
+    rows_at_once = min(rows, resident // slices)
+    if rows_at_once < min(rows, COOPERATIVE_MIN_ROWS_AT_ONCE):
+        return False
+    if not DIRECT_LAUNCH or _hooked(kernel):
+        kernel[(rows_at_once * slices,)](*args, **constants)
+    else:
+        compiled.run(rows_at_once * slices, 1, 1, _current_raw_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+    return True
 
 
 _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently

@@ -207,8 +207,9 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
     if rows == 0:
         return out, mean, rstd
-    if row_strategy(rows, n, x) == "split":  # a few long rows: each split across programs
-        launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n)
+    strategy = row_strategy(rows, n, x, cooperative=True)
+    if strategy in ("split", "cooperative"):  # long rows on a GPU, or a few long rows: each split across programs
+        launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=strategy == "cooperative")
         return out, mean, rstd
     tile = row_tile(n)
     # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.

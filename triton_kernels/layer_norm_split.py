@@ -41,9 +41,11 @@ import triton.language as tl
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
 from .launch import (
     accumulator_dtype,
+    arrive_and_wait,
     cdiv,
     compute_dtype,
     launch,
+    launch_cooperative,
     next_power_of_2,
     on_device,
     persistent_program_count,
@@ -60,13 +62,10 @@ of 4096."""
 
 
 @triton.jit
-def _norm_fwd_split_statistics_kernel(X, PartialMean, PartialM2, N, n_slices, BLOCK_N: tl.constexpr,
-                                      COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
-    row = tl.program_id(0)
-    piece = tl.program_id(1)
-    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
-    # evict_last: phase 2 reads this slice again
-    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+def _store_slice_statistics(x, mask, PartialMean, PartialM2, row, piece, N, n_slices, BLOCK_N: tl.constexpr,
+                            COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    """Phase 1 for one slice x (padding 0) of ``row``: its mean and m2 (RMSNorm: its Σx²) into the
+    (rows, slices) buffers."""
     slot = row.to(tl.int64) * n_slices + piece
     if SUBTRACT_MEAN:
         mean = tl.sum(x, axis=0) / tl.cast(tl.minimum(N - piece * BLOCK_N, BLOCK_N), COMPUTE)
@@ -78,40 +77,91 @@ def _norm_fwd_split_statistics_kernel(X, PartialMean, PartialM2, N, n_slices, BL
 
 
 @triton.jit
+def _combine_row_statistics(PartialMean, PartialM2, row, N, n_slices, eps_high, eps_low, BLOCK_N: tl.constexpr,
+                            BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    """Phase 2's start: ``row``'s (mean, rstd) from its slices' partials, which every program of the row
+    combines itself (cheaper than a launch of its own). ``.cg`` reads them from L2: in the cooperative
+    kernel another SM wrote them a moment ago (``launch.arrive_and_wait``)."""
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
+    m2 = tl.sum(tl.load(PartialM2 + slots, mask=slice_mask, other=0.0, cache_modifier=".cg"), axis=0)
+    mean = tl.zeros((), COMPUTE)  # RMSNorm's
+    if SUBTRACT_MEAN:
+        counts = tl.where(slice_mask, tl.minimum(N - tl.arange(0, BLOCK_SLICES) * BLOCK_N, BLOCK_N), 0).to(COMPUTE)
+        means = tl.load(PartialMean + slots, mask=slice_mask, other=0.0, cache_modifier=".cg")
+        mean = tl.sum(counts * means, axis=0) / N
+        deviation = means - mean
+        m2 += tl.sum(counts * deviation * deviation, axis=0)
+    return mean, 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
+
+
+@triton.jit
+def _write_normalized_slice(x, Y, W, B, Mean, Rstd, row, piece, cols, mask, offsets, mean, rstd, COMPUTE: tl.constexpr,
+                            STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Phase 2's end: y = (x − mean)·rstd·w (+ b) for one slice; the row's first slice stores the statistics."""
+    if STORE_STATISTICS:
+        if piece == 0:
+            if SUBTRACT_MEAN:
+                tl.store(Mean + row, mean)
+            tl.store(Rstd + row, rstd)
+    y = (x - mean) * rstd * tl.load(W + cols, mask=mask).to(COMPUTE)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask).to(COMPUTE)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_split_statistics_kernel(X, PartialMean, PartialM2, N, n_slices, BLOCK_N: tl.constexpr,
+                                      COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+    row = tl.program_id(0)
+    piece = tl.program_id(1)
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
+    # evict_last: phase 2 reads this slice again
+    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
+    _store_slice_statistics(x, mask, PartialMean, PartialM2, row, piece, N, n_slices, BLOCK_N, COMPUTE, SUBTRACT_MEAN)
+
+
+@triton.jit
 def _norm_fwd_split_normalize_kernel(X, Y, W, B, PartialMean, PartialM2, Mean, Rstd, N, n_slices, eps_high, eps_low,
                                      BLOCK_N: tl.constexpr, BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr,
                                      STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
                                      HAS_BIAS: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    # Every program of a row combines the row's few partials itself: cheaper than a third launch.
-    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
-    m2 = tl.sum(tl.load(PartialM2 + slots, mask=slice_mask, other=0.0), axis=0)
-    mean = tl.zeros((), COMPUTE)  # RMSNorm's
-    if SUBTRACT_MEAN:
-        counts = tl.where(slice_mask, tl.minimum(N - tl.arange(0, BLOCK_SLICES) * BLOCK_N, BLOCK_N), 0).to(COMPUTE)
-        means = tl.load(PartialMean + slots, mask=slice_mask, other=0.0)
-        mean = tl.sum(counts * means, axis=0) / N
-        deviation = means - mean
-        m2 += tl.sum(counts * deviation * deviation, axis=0)
-    rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
-    if STORE_STATISTICS:
-        if piece == 0:
-            if SUBTRACT_MEAN:
-                tl.store(Mean + row, mean)
-            tl.store(Rstd + row, rstd)
+    mean, rstd = _combine_row_statistics(PartialMean, PartialM2, row, N, n_slices, eps_high, eps_low, BLOCK_N,
+                                         BLOCK_SLICES, COMPUTE, SUBTRACT_MEAN)
     cols, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
-    w = tl.load(W + cols, mask=mask).to(COMPUTE)
-    y = (x - mean) * rstd * w
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask).to(COMPUTE)
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    _write_normalized_slice(x, Y, W, B, Mean, Rstd, row, piece, cols, mask, offsets, mean, rstd, COMPUTE,
+                            STORE_STATISTICS, SUBTRACT_MEAN, HAS_BIAS)
 
 
-def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n):
+@triton.jit
+def _norm_fwd_cooperative_kernel(X, Y, W, B, PartialMean, PartialM2, Arrivals, Mean, Rstd, n_rows, N, n_slices,
+                                 eps_high, eps_low, BLOCK_N: tl.constexpr, BLOCK_SLICES: tl.constexpr,
+                                 COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                                 HAS_BIAS: tl.constexpr):
+    # The grid is (rows at once) × n_slices programs, all resident: program p always owns slice
+    # p % n_slices, of rows p // n_slices, then that plus the rows at once, and so on.
+    program = tl.program_id(0)
+    piece = program % n_slices
+    for row in range(program // n_slices, n_rows, tl.num_programs(0) // n_slices):
+        cols, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
+        # x crosses DRAM once: it stays in this program's registers while the row's partials gather.
+        x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        _store_slice_statistics(x, mask, PartialMean, PartialM2, row, piece, N, n_slices, BLOCK_N, COMPUTE,
+                                SUBTRACT_MEAN)
+        arrive_and_wait(Arrivals + row, n_slices)
+        mean, rstd = _combine_row_statistics(PartialMean, PartialM2, row, N, n_slices, eps_high, eps_low, BLOCK_N,
+                                             BLOCK_SLICES, COMPUTE, SUBTRACT_MEAN)
+        _write_normalized_slice(x, Y, W, B, Mean, Rstd, row, piece, cols, mask, offsets, mean, rstd, COMPUTE,
+                                STORE_STATISTICS, SUBTRACT_MEAN, HAS_BIAS)
+
+
+def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=False):
     """Fill ``out`` (and ``mean``, ``rstd`` unless None) for LayerNorm, or RMSNorm when ``bias`` is None;
-    ``layer_norm.launch_norm_fwd`` has checked and allocated everything."""
+    ``layer_norm.launch_norm_fwd`` has checked and allocated everything. ``cooperative`` (a GPU only):
+    one launch that reads x once, when the GPU holds enough rows' slices at once
+    (``launch.launch_cooperative``); otherwise (and under the interpreter) the two phases."""
     subtract_mean = bias is not None
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
@@ -119,16 +169,21 @@ def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n):
     partial_mean = torch.empty_like(partial_m2) if subtract_mean else partial_m2  # RMSNorm never reads it
     keep_statistics = rstd is not None
     # Pointers a kernel never reads: out stands in (see launch_norm_fwd).
-    mean_out, rstd_out = (mean if mean is not None else out), (rstd if keep_statistics else out)
+    mean_out, rstd_out, bias_in = (mean if mean is not None else out), (rstd if keep_statistics else out), (
+        bias if subtract_mean else weight)
+    flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, num_warps=SPLIT_WARPS)
+    normalize_flags = dict(BLOCK_SLICES=next_power_of_2(slices), STORE_STATISTICS=keep_statistics,
+                           HAS_BIAS=subtract_mean, **flags)
     with on_device(x):
-        launch(_norm_fwd_split_statistics_kernel, (rows, slices), x, partial_mean, partial_m2, n, slices,
-               BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
-               num_warps=SPLIT_WARPS)
-        launch(_norm_fwd_split_normalize_kernel, (rows, slices), x, out, weight, bias if subtract_mean else weight,
-               partial_mean, partial_m2, mean_out, rstd_out, n, slices, *split_float(eps), BLOCK_N=block,
-               BLOCK_SLICES=next_power_of_2(slices), COMPUTE=compute_dtype(x.dtype),
-               STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
-               num_warps=SPLIT_WARPS)
+        if cooperative:
+            arrivals = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            args = (x, out, weight, bias_in, partial_mean, partial_m2, arrivals, mean_out, rstd_out, rows, n, slices,
+                    *split_float(eps))
+            if launch_cooperative(_norm_fwd_cooperative_kernel, rows, slices, *args, **normalize_flags):
+                return
+        launch(_norm_fwd_split_statistics_kernel, (rows, slices), x, partial_mean, partial_m2, n, slices, **flags)
+        launch(_norm_fwd_split_normalize_kernel, (rows, slices), x, out, weight, bias_in, partial_mean, partial_m2,
+               mean_out, rstd_out, n, slices, *split_float(eps), **normalize_flags)
 
 
 # --- backward ----------------------------------------------------------------------------------------

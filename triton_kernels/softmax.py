@@ -144,21 +144,26 @@ def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
     return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x,
-                            one_array=True)
+                            one_array=True, cooperative=True)
 
 
 def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor,
-                     one_array: bool = False) -> torch.Tensor:
+                     one_array: bool = False, cooperative: bool = False) -> torch.Tensor:
     """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
     (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
     few long rows split across programs (``split_launcher``, softmax_split.py). ``one_array``: the
-    tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers."""
+    tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers.
+    ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row."""
     rows, n = row_matrix("softmax", inputs[-1])
     out = torch.empty_like(inputs[-1])
     if out.numel() == 0:
         return out
-    if row_strategy(rows, n, out) == "split":
+    strategy = row_strategy(rows, n, out, one_array, cooperative)
+    if strategy == "cooperative":
+        split_launcher(*inputs, out, rows, n, cooperative=True)
+        return out
+    if strategy == "split":
         split_launcher(*inputs, out, rows, n)
         return out
     tile = row_tile(n, one_array)

@@ -27,19 +27,15 @@ import triton
 import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
-from .launch import cdiv, compute_dtype, launch, next_power_of_2, on_device, split_row_partials, split_row_slice
+from .launch import (arrive_and_wait, cdiv, compute_dtype, launch, launch_cooperative, next_power_of_2, on_device,
+                     split_row_partials, split_row_slice)
 
 SPLIT_WARPS = 4  # as layer_norm_split.py: 32 values a thread for a 4096-element slice
 
 
 @triton.jit
-def _softmax_fwd_split_statistics_kernel(X, PartialMax, PartialSum, N, n_slices, BLOCK_N: tl.constexpr,
-                                         COMPUTE: tl.constexpr):
-    row = tl.program_id(0)
-    piece = tl.program_id(1)
-    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
-    # evict_last: phase 2 reads this slice again. Padding reads as −inf: exp(−inf − m) = 0.
-    x = tl.load(X + offsets, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
+def _store_slice_max_and_sum(x, PartialMax, PartialSum, row, piece, n_slices):
+    """Phase 1 for one slice x (padding −inf) of ``row``: its maximum m and Σ exp(x − m)."""
     slice_max = tl.max(x, axis=0)
     # A slice of only −inf has maximum −inf: shift by 0 there, so that its sum is 0 instead of
     # exp(−inf − (−inf)) = NaN (the looped kernel's guard, softmax.py).
@@ -50,34 +46,73 @@ def _softmax_fwd_split_statistics_kernel(X, PartialMax, PartialSum, N, n_slices,
 
 
 @triton.jit
+def _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES: tl.constexpr):
+    """Phase 2's start: ``row``'s maximum and 1/Σ exp(x − maximum) from its slices' partials (``.cg``:
+    from L2, as ``layer_norm_split._combine_row_statistics`` says)."""
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
+    # Padding slots (and slices of only −inf) have maximum −inf and sum 0: they add nothing.
+    maxima = tl.load(PartialMax + slots, mask=slice_mask, other=float("-inf"), cache_modifier=".cg")
+    row_max = tl.max(maxima, axis=0)
+    sums = tl.load(PartialSum + slots, mask=slice_mask, other=0.0, cache_modifier=".cg")
+    return row_max, 1.0 / tl.sum(tl.where(slice_mask, sums * tl.exp(maxima - row_max), 0.0), axis=0)
+
+
+@triton.jit
+def _softmax_fwd_split_statistics_kernel(X, PartialMax, PartialSum, N, n_slices, BLOCK_N: tl.constexpr,
+                                         COMPUTE: tl.constexpr):
+    row = tl.program_id(0)
+    piece = tl.program_id(1)
+    _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
+    # evict_last: phase 2 reads this slice again. Padding reads as −inf: exp(−inf − m) = 0.
+    x = tl.load(X + offsets, mask=mask, other=float("-inf"), eviction_policy="evict_last").to(COMPUTE)
+    _store_slice_max_and_sum(x, PartialMax, PartialSum, row, piece, n_slices)
+
+
+@triton.jit
 def _softmax_fwd_split_normalize_kernel(X, Y, PartialMax, PartialSum, N, n_slices, BLOCK_N: tl.constexpr,
                                         BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0)
     piece = tl.program_id(1)
-    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
-    # Padding slots (and slices of only −inf) have maximum −inf and sum 0: they add nothing.
-    maxima = tl.load(PartialMax + slots, mask=slice_mask, other=float("-inf"))
-    row_max = tl.max(maxima, axis=0)
-    sums = tl.load(PartialSum + slots, mask=slice_mask, other=0.0)
-    reciprocal_sum = 1.0 / tl.sum(tl.where(slice_mask, sums * tl.exp(maxima - row_max), 0.0), axis=0)
+    row_max, reciprocal_sum = _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES)
     _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask)
 
 
-def launch_softmax_fwd_split(x: torch.Tensor, out: torch.Tensor, rows: int, n: int) -> None:
-    """Fill ``out`` with softmax(x) over rows of ``n``; ``softmax.py`` has checked and allocated."""
+@triton.jit
+def _softmax_fwd_cooperative_kernel(X, Y, PartialMax, PartialSum, Arrivals, n_rows, N, n_slices, BLOCK_N: tl.constexpr,
+                                    BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr):
+    # The grid and the wait of layer_norm_split._norm_fwd_cooperative_kernel: x read once, kept in registers.
+    program = tl.program_id(0)
+    piece = program % n_slices
+    for row in range(program // n_slices, n_rows, tl.num_programs(0) // n_slices):
+        _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
+        x = tl.load(X + offsets, mask=mask, other=float("-inf"), eviction_policy="evict_first").to(COMPUTE)
+        _store_slice_max_and_sum(x, PartialMax, PartialSum, row, piece, n_slices)
+        arrive_and_wait(Arrivals + row, n_slices)
+        row_max, reciprocal_sum = _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES)
+        tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask)
+
+
+def launch_softmax_fwd_split(x: torch.Tensor, out: torch.Tensor, rows: int, n: int, cooperative: bool = False) -> None:
+    """Fill ``out`` with softmax(x) over rows of ``n``; ``softmax.py`` has checked and allocated.
+    ``cooperative``: one launch reading x once, as ``layer_norm_split.launch_norm_fwd_split`` decides."""
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
     statistics_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     partial_max = torch.empty(rows, slices, dtype=statistics_dtype, device=x.device)
     partial_sum = torch.empty_like(partial_max)
-    compute = compute_dtype(x.dtype)
+    flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), num_warps=SPLIT_WARPS)
     with on_device(x):
-        launch(_softmax_fwd_split_statistics_kernel, (rows, slices), x, partial_max, partial_sum, n, slices,
-               BLOCK_N=block, COMPUTE=compute, num_warps=SPLIT_WARPS)
+        if cooperative:
+            arrivals = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            args = (x, out, partial_max, partial_sum, arrivals, rows, n, slices)
+            if launch_cooperative(_softmax_fwd_cooperative_kernel, rows, slices, *args,
+                                  BLOCK_SLICES=next_power_of_2(slices), **flags):
+                return
+        launch(_softmax_fwd_split_statistics_kernel, (rows, slices), x, partial_max, partial_sum, n, slices, **flags)
         launch(_softmax_fwd_split_normalize_kernel, (rows, slices), x, out, partial_max, partial_sum, n, slices,
-               BLOCK_N=block, BLOCK_SLICES=next_power_of_2(slices), COMPUTE=compute, num_warps=SPLIT_WARPS)
+               BLOCK_SLICES=next_power_of_2(slices), **flags)
 
 
 @triton.jit
