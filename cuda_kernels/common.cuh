@@ -177,22 +177,28 @@ void allow_clusters(void (*kernel)(Params...), int shared_bytes) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
-// `blocks` blocks of `threads` in clusters of cluster_blocks (1-D, up to 16), each block with shared_bytes
-// of dynamic shared memory. The configuration points at `shape`, which must outlive it.
+// `blocks` blocks of `threads`, each with shared_bytes of dynamic shared memory, launched with one
+// `attribute` (a cluster shape, cooperation), which must outlive the configuration.
+inline cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int64_t blocks, int threads, int shared_bytes,
+                                        cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// The same, in clusters of cluster_blocks (1-D, up to 16); `shape` is the attribute.
 inline cudaLaunchConfig_t cluster_launch_config(cudaLaunchAttribute* shape, int64_t blocks, int cluster_blocks,
                                                 int threads, int shared_bytes, cudaStream_t stream) {
   shape->id = cudaLaunchAttributeClusterDimension;
   shape->val.clusterDim.x = static_cast<unsigned>(cluster_blocks);
   shape->val.clusterDim.y = 1;
   shape->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-  config.stream = stream;
-  config.attrs = shape;
-  config.numAttrs = 1;
-  return config;
+  return launch_config(shape, blocks, threads, shared_bytes, stream);
 }
 
 // Launches kernel(args...) on `blocks` blocks of `threads` in clusters of cluster_blocks.
@@ -203,6 +209,52 @@ void launch_in_clusters(void (*kernel)(Params...), int64_t blocks, int cluster_b
   cudaLaunchAttribute shape;
   const cudaLaunchConfig_t config =
       cluster_launch_config(&shape, blocks, cluster_blocks, threads, shared_bytes, stream);
+  cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// --- a row split over the blocks of a cooperative grid (layer_norm_long_rows.cuh) --------------------
+// A cooperative launch starts every block of its grid at once or fails with an error, so its blocks
+// may wait for each other: a block that waits cannot keep another from ever starting. That is what
+// lets the blocks of one row agree on its statistics while each still holds its slice on chip.
+
+// Block-wide arrival at a row's counter (zeroed before the launch): thread 0 counts the block in once
+// its partial result is stored, then spins until `expected` blocks have arrived; every thread leaves
+// after it. __threadfence orders this thread's stores before the arrival, the acquire loads order
+// the other blocks' stores before whatever this block reads next (with __ldcg, from L2: the partials
+// of a neighbouring row share a cache line, which L1 may hold from before they were written).
+__device__ __forceinline__ void arrive_and_wait(unsigned* counter, unsigned expected) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    unsigned arrived;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(arrived) : "l"(counter) : "memory");
+    } while (arrived < expected);
+  }
+  __syncthreads();
+}
+
+// How many blocks of `kernel` (with `threads` threads and shared_bytes of dynamic shared memory) the
+// GPU holds at once: the largest cooperative grid it accepts. 0 when the query fails (error cleared).
+template <typename... Params>
+int64_t resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+  int per_multiprocessor = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return int64_t{per_multiprocessor} * multiprocessor_count();
+}
+
+// `blocks` blocks of `kernel`, launched cooperatively (all resident at once, or an error).
+template <typename... Params, typename... Args>
+void launch_cooperative(void (*kernel)(Params...), int64_t blocks, int threads, int shared_bytes, cudaStream_t stream,
+                        Args... args) {
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  const cudaLaunchConfig_t config = launch_config(&cooperative, blocks, threads, shared_bytes, stream);
   cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 

@@ -22,9 +22,15 @@
 //                                       CLUSTER per row, each block staging a 64 KB slice in shared memory;
 //                                       the blocks swap their slices' (count, mean, M2) through distributed
 //                                       shared memory, so the row is still read from HBM once
-//   layer_norm_partials_kernel +        longer rows when there are too few of them to fill the GPU (or no
-//   layer_norm_normalise_kernel         clusters): each row split over many blocks; pass 1 writes each
-//                                       slice's (count, mean, M2), pass 2 merges its row's and re-reads x
+//   layer_norm_forward_cooperative_kernel  longer rows, too few of them to fill the GPU (or no clusters):
+//                                       each row split into 64 KB slices over a COOPERATIVE grid (every
+//                                       block resident at once), each block staging its slice in shared
+//                                       memory and waiting for its row's other slices' (count, mean, M2):
+//                                       x read once
+//   layer_norm_partials_kernel +        the same rows where the cooperative grid does not apply (fewer than
+//   layer_norm_normalise_kernel         kCooperativeMinRowsAtOnce rows at once, or not in 16-byte packs):
+//                                       pass 1 writes each slice's (count, mean, M2), pass 2 merges and
+//                                       re-reads x
 //   layer_norm_forward_looped_kernel    long rows, enough of them (or not in 16-byte packs): one block per
 //                                       row, each pass (mean, variance, output) re-reading the row, from L2
 //                                       when it is still there
@@ -211,8 +217,20 @@ int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n) {
     using T = decltype(zero);
     // What one block (in registers: 32 KB) or one cluster (16 blocks' shared memory) reads once.
     const int64_t in_registers = int64_t{kForwardMaxThreads} * kForwardValues<T> * static_cast<int64_t>(sizeof(T));
-    const int64_t held_on_chip = norm_clusters_available<T>() ? kMaxClusterBlocks * kSharedRowBytes : in_registers;
-    splits = row_splits(rows, n * static_cast<int64_t>(sizeof(T)), held_on_chip);
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
+    const bool clusters = norm_clusters_available<T>();
+    // Rows longer than a cluster of kClusterRowBlocks holds (or than a block's registers, without
+    // clusters) are read once by a cooperative grid where its plan applies; the launcher makes the same
+    // plan (LayerNorm's and RMSNorm's kernels are alike in registers and shared memory).
+    if (row_bytes > (clusters ? kClusterRowBlocks * kSharedRowBytes : in_registers)) {
+      const CooperativePlan plan = cooperative_forward_plan<T, true>(rows, n);
+      if (plan.splits > 1) {
+        splits = plan.splits;
+        return;
+      }
+    }
+    const int64_t held_on_chip = clusters ? kMaxClusterBlocks * kSharedRowBytes : in_registers;
+    splits = row_splits(rows, row_bytes, held_on_chip);
   });
   return splits;
 }

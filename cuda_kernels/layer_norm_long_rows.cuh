@@ -9,9 +9,13 @@
 //                                       shared memory with cp.async; the blocks swap their slices'
 //                                       (count, mean, M2) through distributed shared memory, so x is read
 //                                       from HBM once
-//   layer_norm_partials_kernel +        longer rows when they are too few for 4 blocks an SM (or there are
-//   layer_norm_normalise_kernel         no clusters): each row split over many blocks; pass 1 writes each
-//                                       slice's (count, mean, M2), pass 2 merges its row's and re-reads x
+//   layer_norm_forward_cooperative_kernel  longer rows (or no clusters), in 16-byte packs: each row split
+//                                       into 64 KB slices over a cooperative grid, every block resident,
+//                                       each staging its slice in shared memory and waiting for its row's
+//                                       other slices' (count, mean, M2) in global memory: x read once
+//   layer_norm_partials_kernel +        the rest of the longer rows when they are too few for 4 blocks an
+//   layer_norm_normalise_kernel         SM: each row split over many blocks; pass 1 writes each slice's
+//                                       (count, mean, M2), pass 2 merges its row's and re-reads x
 //   layer_norm_forward_looped_kernel    long rows, enough of them: one block per row, three passes over
 //                                       the row (mean, variance, output), re-reads from L2 when it is there
 //
@@ -149,6 +153,54 @@ layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__
 #endif
 }
 
+// Split rows, read once: a cooperative grid of rows_at_once x splits blocks, every one resident, so a
+// block may wait for the others of its row (common.cuh's arrive_and_wait). Block b owns slice b % splits
+// of rows b / splits, then that plus rows_at_once, and so on: it stages the slice in shared memory,
+// publishes its Moments to partials[row * splits + slice], waits for the row's other slices, merges
+// them (the same order in every block of the row, as layer_norm_normalise_kernel does) and writes its
+// slice of y from the staged copy. x crosses DRAM once, where the two passes below read it twice.
+template <typename T, bool kSubtractMean>
+__global__ void __launch_bounds__(kLongRowThreads)
+layer_norm_forward_cooperative_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                                      T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                                      Moments<Acc<T>>* __restrict__ partials, unsigned* __restrict__ arrivals,
+                                      int64_t rows, int64_t n, int splits, int64_t slice_packs, Acc<T> eps) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* slice = reinterpret_cast<T*>(shared_bytes);
+  const int piece = static_cast<int>(blockIdx.x % splits);
+  const int64_t first_column = piece * slice_packs * kVec;
+  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
+  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
+    const int64_t offset = row * n + first_column;
+    // Each thread stages, reduces and writes the same packs, so the next row may overwrite them freely.
+    stage_slice<T>(x + offset, slice, n_packs);
+    const Moments<A> mine = block_moments<T, kVec, kSubtractMean>(slice, n_packs);
+    if (threadIdx.x == 0) partials[row * splits + piece] = mine;
+    arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
+    Moments<A> total;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+      const A* fields = reinterpret_cast<const A*>(partials + row * splits + s);
+      total = total + Moments<A>{__ldcg(fields), __ldcg(fields + 1), __ldcg(fields + 2)};
+    }
+    total = block_reduce(total, Add{});
+    const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
+    if (piece == 0 && threadIdx.x == 0) {
+      if constexpr (kSubtractMean) mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+      const Pack<T, kVec> in = load_pack<T, kVec>(slice + pack * kVec);
+      A values[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
+      write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
+                                                    kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
+    }
+  }
+}
+
 // Split rows, pass 1: block b folds slice b % splits of row b / splits into one Moments, pack by pack,
 // written to partials[b] for pass 2. Plain loads: the slice may still be in L2 when pass 2 re-reads it.
 template <typename T, int kVec, bool kSubtractMean>
@@ -234,9 +286,41 @@ bool norm_clusters_available() {
   return available;
 }
 
+// The cooperative kernel's geometry for rows * n values: slices of up to kSharedRowBytes, one block
+// each, as many rows at once as the GPU holds blocks for. `splits` is 0 when it does not apply: rows
+// not in 16-byte packs, or fewer than kCooperativeMinRowsAtOnce rows (or than all of them) at once.
+struct CooperativePlan {
+  int64_t splits = 0, slice_packs = 0, rows_at_once = 0;
+  int threads = 0;
+};
+
+// With fewer rows at once every block waits on the same row or two, so the loads stop while they
+// wait; the two passes then win (measured on an H100: profiling/results/h100/sweep.csv).
+constexpr int64_t kCooperativeMinRowsAtOnce = 3;
+// Clusters of more blocks than this lose to the cooperative grid: all of a cluster's blocks must be
+// resident in one GPC (up to 18 SMs) at once.
+constexpr int kClusterRowBlocks = 4;
+
+template <typename T, bool kSubtractMean>
+CooperativePlan cooperative_forward_plan(int64_t rows, int64_t n) {
+  constexpr int kVec = kVecOf<T>;
+  CooperativePlan plan;
+  if (n % kVec != 0) return plan;
+  const int64_t n_packs = n / kVec;
+  const int64_t splits = ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes);
+  const int64_t slice_packs = ceil_div(n_packs, splits);
+  const int threads = row_threads(slice_packs * kVec, kPacksPerThread * kVec);
+  const int64_t resident = resident_blocks(layer_norm_forward_cooperative_kernel<T, kSubtractMean>, threads,
+                                           static_cast<int>(slice_packs * 16));
+  const int64_t rows_at_once = std::min(rows, resident / splits);
+  if (rows_at_once < std::min(rows, kCooperativeMinRowsAtOnce)) return plan;
+  return {splits, slice_packs, rows_at_once, threads};
+}
+
 // Rows longer than the registers hold: a cluster per row when the row is in 16-byte packs, not split
 // (layer_norm_forward_splits said 1) and at most 16 x 64 KB; else split (splits > 1, with `partials`
-// for rows * splits Moments) or looped.
+// for rows * (splits + 1) Moments): read once by a cooperative grid when its plan has these splits
+// (the last rows Moments' words then count each row's arrivals), in two passes otherwise; or looped.
 template <typename T, bool kSubtractMean>
 void launch_norm_forward_long_rows(const T* x, const T* weight, const T* bias, T* y, Acc<T>* mean, Acc<T>* rstd,
                                    int64_t rows, int64_t n, Acc<T> eps, int64_t splits, void* partials,
@@ -253,6 +337,18 @@ void launch_norm_forward_long_rows(const T* x, const T* weight, const T* bias, T
                        row_threads(slice_packs * kVec, kPacksPerThread * kVec), static_cast<int>(slice_packs * 16),
                        stream, x, weight, bias, y, mean, rstd, n, slice_packs, eps);
     return;
+  }
+  if (vectorise && splits > 1) {
+    const CooperativePlan plan = cooperative_forward_plan<T, kSubtractMean>(rows, n);
+    if (plan.splits == splits) {
+      auto* statistics = static_cast<Moments<A>*>(partials);
+      auto* arrivals = reinterpret_cast<unsigned*>(statistics + rows * splits);
+      cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), stream);
+      launch_cooperative(layer_norm_forward_cooperative_kernel<T, kSubtractMean>, plan.rows_at_once * splits,
+                         plan.threads, static_cast<int>(plan.slice_packs * 16), stream, x, weight, bias, y, mean, rstd,
+                         statistics, arrivals, rows, n, static_cast<int>(splits), plan.slice_packs, eps);
+      return;
+    }
   }
   dispatch_vector_width<T>(vectorise, [&](auto vec) {
     constexpr int kVec = decltype(vec)::value;

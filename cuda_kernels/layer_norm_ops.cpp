@@ -31,11 +31,12 @@ std::pair<c10::SymInt, c10::SymInt> check_rows(const char* op, const at::Tensor&
 }
 
 // Scratch for rows the forward splits over several blocks (splits > 1, layer_norm_forward_splits): one
-// (count, mean, M2) triple per slice, with the options of `statistics` (dtype, device), from PyTorch's caching
-// allocator and held in `buffer` until the launch is queued. Null when rows are not split.
+// (count, mean, M2) triple per slice, and one more per row whose first word counts the row's arrived
+// blocks in the cooperative kernel, with the options of `statistics` (dtype, device), from PyTorch's
+// caching allocator and held in `buffer` until the launch is queued. Null when rows are not split.
 void* forward_partials(at::Tensor& buffer, int64_t splits, int64_t rows, const at::Tensor& statistics) {
   if (splits == 1) return nullptr;
-  buffer = at::empty({rows * splits, 3}, statistics.options());
+  buffer = at::empty({rows * (splits + 1), 3}, statistics.options());
   return buffer.mutable_data_ptr();
 }
 
