@@ -18,7 +18,8 @@
 //                                       (four 16-byte packs per thread): read once, mean, then variance of
 //                                       the centred values (exact two-pass, no second read), normalise,
 //                                       write once
-//   layer_norm_forward_cluster_kernel   rows of up to 16 x 64 KB, Hopper (sm_90) and later: a thread-block
+//   layer_norm_forward_cluster_kernel   rows of up to 4 x 64 KB (more when the cooperative grid below does
+//                                       not apply), Hopper (sm_90) and later: a thread-block
 //                                       CLUSTER per row, each block staging a 64 KB slice in shared memory;
 //                                       the blocks swap their slices' (count, mean, M2) through distributed
 //                                       shared memory, so the row is still read from HBM once
@@ -55,10 +56,11 @@
 //
 // Limits
 //   Any n >= 1. Forward: rows of up to 1024 float32/half-precision values (512 float64) in a few lanes'
-//   registers, up to 32 KB in a block's registers, up to 1 MB (16 x 64 KB) in a cluster's shared memory
-//   on sm_90+ when n is a multiple of the pack width; longer rows, rows on older GPUs and rows not in
-//   16-byte packs are split (too few rows to fill the GPU: x read twice, the second time from L2 while it
-//   fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a block's registers, up
+//   registers, up to 32 KB in a block's registers, up to 256 KB (4 x 64 KB) in a cluster's shared memory
+//   on sm_90+ when n is a multiple of the pack width, and longer such rows in 64 KB slices over a
+//   cooperative grid while it holds at least 3 rows' slices at once (a 25 MB row does not fit at all);
+//   other long rows are split (too few rows to fill the GPU: x read twice, the second time from L2 while
+//   it fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a block's registers, up
 //   to 16 times that in a cluster's on sm_90+ (16-byte packs); other long rows are read twice: by one
 //   block per row, or, when the rows are fewer than the blocks the GPU holds at once (sm_90 too), by
 //   column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads need n to be

@@ -286,35 +286,9 @@ bool norm_clusters_available() {
   return available;
 }
 
-// The cooperative kernel's geometry for rows * n values: slices of up to kSharedRowBytes, one block
-// each, as many rows at once as the GPU holds blocks for. `splits` is 0 when it does not apply: rows
-// not in 16-byte packs, or fewer than kCooperativeMinRowsAtOnce rows (or than all of them) at once.
-struct CooperativePlan {
-  int64_t splits = 0, slice_packs = 0, rows_at_once = 0;
-  int threads = 0;
-};
-
-// With fewer rows at once every block waits on the same row or two, so the loads stop while they
-// wait; the two passes then win (measured on an H100: profiling/results/h100/sweep.csv).
-constexpr int64_t kCooperativeMinRowsAtOnce = 3;
-// Clusters of more blocks than this lose to the cooperative grid: all of a cluster's blocks must be
-// resident in one GPC (up to 18 SMs) at once.
-constexpr int kClusterRowBlocks = 4;
-
 template <typename T, bool kSubtractMean>
 CooperativePlan cooperative_forward_plan(int64_t rows, int64_t n) {
-  constexpr int kVec = kVecOf<T>;
-  CooperativePlan plan;
-  if (n % kVec != 0) return plan;
-  const int64_t n_packs = n / kVec;
-  const int64_t splits = ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes);
-  const int64_t slice_packs = ceil_div(n_packs, splits);
-  const int threads = row_threads(slice_packs * kVec, kPacksPerThread * kVec);
-  const int64_t resident = resident_blocks(layer_norm_forward_cooperative_kernel<T, kSubtractMean>, threads,
-                                           static_cast<int>(slice_packs * 16));
-  const int64_t rows_at_once = std::min(rows, resident / splits);
-  if (rows_at_once < std::min(rows, kCooperativeMinRowsAtOnce)) return plan;
-  return {splits, slice_packs, rows_at_once, threads};
+  return cooperative_plan<T>(layer_norm_forward_cooperative_kernel<T, kSubtractMean>, rows, n, kPacksPerThread);
 }
 
 // Rows longer than the registers hold: a cluster per row when the row is in 16-byte packs, not split

@@ -11,13 +11,17 @@
 //   softmax_forward_shared_kernel     rows of up to 64 KB: one block per row; the row is copied into
 //                                     shared memory with cp.async and read there twice (statistics,
 //                                     then output)
-//   softmax_forward_cluster_kernel    rows of up to 16 x 64 KB, Hopper (sm_90) and later: a thread-block
+//   softmax_forward_cluster_kernel    rows of up to 4 x 64 KB, Hopper (sm_90) and later: a thread-block
 //                                     CLUSTER per row, each block staging a 64 KB slice in its shared
 //                                     memory; the blocks swap their (max, sum) through distributed
 //                                     shared memory, so the row is still read from HBM once
-//   softmax_partials_kernel +         longer rows when there are too few of them to fill the GPU (or no
-//   softmax_normalise_kernel          clusters): each row split over many blocks; pass 1 writes each
-//                                     slice's (max, sum), pass 2 merges its row's and re-reads x
+//   softmax_forward_cooperative_kernel  longer rows (or no clusters): each row split into 64 KB slices
+//                                     over a COOPERATIVE grid (every block resident at once), each block
+//                                     staging its slice and waiting for its row's other (max, sum)
+//                                     pairs in global memory: read once
+//   softmax_partials_kernel +         the same rows where that grid holds fewer than 3 rows at once (or
+//   softmax_normalise_kernel          they are not in 16-byte packs), too few to fill the GPU: pass 1
+//                                     writes each slice's (max, sum), pass 2 merges its row's and re-reads x
 //   softmax_forward_online_kernel     long rows, enough of them: one block per row, an ONLINE (running
 //                                     max, rescaled running sum) per thread, then x re-read for y
 //   softmax_backward_kernel           one block per row: pass 1 sums dy*y, pass 2 re-reads (from L1/L2)
@@ -33,8 +37,8 @@
 //   more rows than registers do (4 rows, at 64 registers a thread), so more loads are in flight. On an
 //   H100 at (8192, 8192) float32: 0.182 ms, 99 % of a device-to-device copy, where the row held in
 //   registers reached 90 % and torch.softmax takes 0.290 ms. A row longer than one SM can hold is read
-//   twice (online, split) unless a cluster of SMs holds it together; rows too few for 132 SMs leave
-//   most of the GPU idle unless they are split. profiling/results/h100/sweep.png shows both ends.
+//   twice (online, split) unless a cluster of SMs or a cooperative grid holds it together; rows too few
+//   for 132 SMs leave most of the GPU idle unless they are split. profiling/results/h100/sweep.png shows both ends.
 //
 // Limits
 //   Any n >= 1: rows of up to 64 KB in shared memory, longer ones (and rows that cannot be copied in
@@ -182,6 +186,37 @@ softmax_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64
 #endif
 }
 
+// Split rows, read once: the cooperative grid of layer_norm_long_rows.cuh's
+// layer_norm_forward_cooperative_kernel, with (max, sum) pairs in place of Moments: each block stages its
+// slice in shared memory, publishes the slice's pair, waits for its row's other slices (common.cuh's
+// arrive_and_wait), merges the row's pairs and writes its slice from the staged copy.
+template <typename T>
+__global__ void __launch_bounds__(kSoftmaxMaxThreads)
+softmax_forward_cooperative_kernel(const T* __restrict__ x, T* __restrict__ y, MaxSum<Acc<T>>* __restrict__ partials,
+                                   unsigned* __restrict__ arrivals, int64_t rows, int64_t n, int splits,
+                                   int64_t slice_packs) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* slice = reinterpret_cast<T*>(shared_bytes);
+  const int piece = static_cast<int>(blockIdx.x % splits);
+  const int64_t first_column = piece * slice_packs * kVec;
+  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
+  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
+    const int64_t offset = row * n + first_column;
+    const MaxSum<A> mine = stage_and_reduce<T>(x + offset, slice, n_packs);
+    if (threadIdx.x == 0) partials[row * splits + piece] = mine;
+    arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
+    MaxSum<A> total;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+      const A* fields = reinterpret_cast<const A*>(partials + row * splits + s);
+      total = merge(total, MaxSum<A>{__ldcg(fields), __ldcg(fields + 1)});
+    }
+    write_probabilities<T, kVec>(y + offset, n_packs, block_reduce(total, Merge{}),
+                                 [&](int64_t pack) { return load_pack<T, kVec>(slice + pack * kVec); });
+  }
+}
+
 // Split rows, pass 1: block b folds slice b % splits of row b / splits into one (max, sum), written
 // to partials[b] for pass 2. Plain loads: the slice may still be in L2 when pass 2 re-reads it.
 template <typename T, int kVec>
@@ -268,12 +303,28 @@ bool clusters_available() {
   return available;
 }
 
+template <typename T>
+CooperativePlan softmax_cooperative_plan(int64_t rows, int64_t n) {
+  return cooperative_plan<T>(softmax_forward_cooperative_kernel<T>, rows, n, kPacksPerThread);
+}
+
+// Rows longer than a cluster of kClusterRowBlocks holds (one block's shared memory without clusters) are
+// read once by a cooperative grid where its plan applies (the launcher makes the same plan); else rows
+// too few to fill the GPU are split for the two passes.
 int64_t softmax_forward_splits(DType dtype, int64_t rows, int64_t n) {
   int64_t splits = 1;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    const int64_t held_on_chip = kSharedRowBytes * (clusters_available<T>() ? kMaxClusterBlocks : 1);
-    splits = row_splits(rows, n * static_cast<int64_t>(sizeof(T)), held_on_chip);
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
+    const bool clusters = clusters_available<T>();
+    if (row_bytes > kSharedRowBytes * (clusters ? kClusterRowBlocks : 1)) {
+      const CooperativePlan plan = softmax_cooperative_plan<T>(rows, n);
+      if (plan.splits > 1) {
+        splits = plan.splits;
+        return;
+      }
+    }
+    splits = row_splits(rows, row_bytes, kSharedRowBytes * (clusters ? kMaxClusterBlocks : 1));
   });
   return splits;
 }
@@ -307,7 +358,20 @@ void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, i
       softmax_forward_shared_kernel<T><<<static_cast<unsigned>(rows), threads, bytes, s>>>(in, out, n);
       return;
     }
-    if (vectorise && !short_row && row_bytes <= kMaxClusterBlocks * kSharedRowBytes && clusters_available<T>()) {
+    if (vectorise && splits > 1) {
+      const CooperativePlan plan = softmax_cooperative_plan<T>(rows, n);
+      if (plan.splits == splits) {  // partials holds rows * (splits + 1) pairs: the last rows count arrivals
+        auto* statistics = static_cast<MaxSum<A>*>(partials);
+        auto* arrivals = reinterpret_cast<unsigned*>(statistics + rows * splits);
+        cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), s);
+        launch_cooperative(softmax_forward_cooperative_kernel<T>, plan.rows_at_once * splits, plan.threads,
+                           static_cast<int>(plan.slice_packs * 16), s, in, out, statistics, arrivals, rows, n,
+                           static_cast<int>(splits), plan.slice_packs);
+        return;
+      }
+    }
+    if (vectorise && !short_row && splits == 1 && row_bytes <= kMaxClusterBlocks * kSharedRowBytes &&
+        clusters_available<T>()) {
       launch_softmax_cluster<T>(in, out, rows, n, s);
       return;
     }

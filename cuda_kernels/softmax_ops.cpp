@@ -28,7 +28,10 @@ at::Tensor softmax_forward(const at::Tensor& x) {
         const int64_t splits = softmax_forward_splits(dtype, row_count, n);
         at::Tensor partials;
         if (splits > 1) {
-          partials = at::empty({row_count * splits, 2}, input.options().dtype(dtype == DType::Float64 ? at::kDouble : at::kFloat));
+          // A (max, sum) pair per slice, and a pair more per row whose first word counts the row's arrived
+          // blocks in the cooperative kernel.
+          partials = at::empty({row_count * (splits + 1), 2},
+                               input.options().dtype(dtype == DType::Float64 ? at::kDouble : at::kFloat));
         }
         launch_softmax_forward(dtype, input.const_data_ptr(), y.mutable_data_ptr(), row_count, n, splits,
                                splits > 1 ? partials.mutable_data_ptr() : nullptr, stream);

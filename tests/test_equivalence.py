@@ -176,8 +176,9 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
 
 # Level 5's softmax picks its kernel by row length (softmax.cu): 4 lanes a row (128 values), a block
 # staging the row in shared memory (4096), a cluster of 3 blocks on Hopper (40000 floats: 160 KB), and
-# a few 2.4 MB rows split over many blocks; odd lengths take the unvectorised versions.
-SOFTMAX_ROW_STRATEGY_SHAPES = [(4099, 128), (33, 4096), (5, 40000), (3, 600000), (3, 600001), (2, 40001)]
+# 2.4 MB rows split into 64 KB slices over a cooperative grid (a few, and 40: more than it holds at
+# once); odd lengths take the unvectorised versions (600001: the two passes).
+SOFTMAX_ROW_STRATEGY_SHAPES = [(4099, 128), (33, 4096), (5, 40000), (3, 600000), (40, 600000), (3, 600001), (2, 40001)]
 
 
 @pytest.mark.gpu
