@@ -247,9 +247,9 @@ int64_t resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes
   return int64_t{per_multiprocessor} * multiprocessor_count();
 }
 
-// A cooperative grid's geometry for rows of n values of T: slices of up to kSharedRowBytes, one block
-// each, staged in shared memory (packs_per_thread 16-byte packs a thread), and as many rows at once as
-// the GPU holds blocks of `kernel` for. `splits` is 0 when it does not apply: rows not in 16-byte packs,
+// A cooperative grid's geometry for rows of n values of T: slices of up to slice_bytes, one block each,
+// staged in shared memory (staged_arrays of them: x, or x and dy; packs_per_thread 16-byte packs a
+// thread), and as many rows at once as the GPU holds blocks of `kernel` for. `splits` is 0 when it does not apply: rows not in 16-byte packs,
 // or fewer than kCooperativeMinRowsAtOnce rows (or than all of them) at once.
 struct CooperativePlan {
   int64_t splits = 0, slice_packs = 0, rows_at_once = 0;
@@ -266,13 +266,15 @@ constexpr int64_t kCooperativeMinRowsAtOnce = 3;
 constexpr int kClusterRowBlocks = 4;
 
 template <typename T, typename... Params>
-CooperativePlan cooperative_plan(void (*kernel)(Params...), int64_t rows, int64_t n, int packs_per_thread) {
+CooperativePlan cooperative_plan(void (*kernel)(Params...), int64_t rows, int64_t n, int packs_per_thread,
+                                 int64_t slice_bytes = kSharedRowBytes, int staged_arrays = 1) {
   constexpr int kVec = kVecOf<T>;
   if (n % kVec != 0) return {};
-  const int64_t splits = ceil_div(n * static_cast<int64_t>(sizeof(T)), kSharedRowBytes);
+  const int64_t splits = ceil_div(n * static_cast<int64_t>(sizeof(T)), slice_bytes);
   const int64_t slice_packs = ceil_div(n / kVec, splits);
   const int threads = row_threads(slice_packs * kVec, packs_per_thread * kVec);
-  const int64_t rows_at_once = std::min(rows, resident_blocks(kernel, threads, static_cast<int>(slice_packs * 16)) / splits);
+  const int shared_bytes = static_cast<int>(slice_packs * 16 * staged_arrays);
+  const int64_t rows_at_once = std::min(rows, resident_blocks(kernel, threads, shared_bytes) / splits);
   if (rows_at_once < std::min(rows, kCooperativeMinRowsAtOnce)) return {};
   return {splits, slice_packs, rows_at_once, threads};
 }

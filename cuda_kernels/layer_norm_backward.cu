@@ -13,6 +13,10 @@
 //   layer_norm_backward_looped_kernel   long rows the clusters can't take (older GPUs, rows not in 16-byte
 //                                       packs or longer than 16 blocks hold): two passes over each row, and
 //                                       the block's dw, db accumulated in its partial row in global memory
+//   layer_norm_backward_cooperative_kernel  rows longer than a block's registers, in 16-byte packs: a
+//                                       COOPERATIVE grid of column slices (every block resident at once),
+//                                       x and dy staged in shared memory and read once; the slices' row
+//                                       sums meet in global memory, one partial dw, db row per block
 //   layer_norm_weight_grads_kernel      sums the partial rows' columns into dw and db (deterministic)
 //   Few long rows (fewer than the persistent grid has blocks), the grid cut by columns instead:
 //   layer_norm_backward_slice_sums_kernel   block s walks every row's slice s: (sum g, sum g*xhat) per slice
@@ -191,6 +195,110 @@ layer_norm_backward_slice_dx_kernel(const T* __restrict__ grad_out, const T* __r
   if constexpr (kSubtractMean) store_pack<T, kVec>(grad_bias + pack * kVec, db_out);
 }
 
+// Long rows in 16-byte packs, on a cooperative grid (every block resident at once: common.cuh's
+// cooperative_plan and arrive_and_wait). Block b owns column slice b % splits of rows b / splits, then
+// that plus rows_at_once, and so on. Per row it stages its slices of x and dy in shared memory (one
+// read of each from DRAM), posts the slice's (sum g, sum g*xhat), waits for the row's other slices,
+// merges them in a fixed order (every block of the row gets the same bits) and writes dx from shared
+// memory. Its threads own the same columns in every row it walks, so dw, db stay in registers until
+// one partial row per block: rows_at_once partial rows, which layer_norm_weight_grads_kernel sums.
+constexpr int64_t kBackwardSliceBytes = 32 * 1024;  // of x, and as much of dy: 64 KB a block, 3 an SM
+constexpr int kBackwardStagedPacks = 4;             // packs a thread: 512 threads for a 32 KB slice
+
+template <typename T, bool kSubtractMean>
+__global__ void __launch_bounds__(kMaxThreads / 2)
+layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
+                                       const T* __restrict__ weight, const Acc<T>* __restrict__ mean,
+                                       const Acc<T>* __restrict__ rstd, T* __restrict__ grad_x,
+                                       Acc<T>* __restrict__ partial_dw, Acc<T>* __restrict__ partial_db,
+                                       RowSums<Acc<T>>* __restrict__ partial_sums, unsigned* __restrict__ arrivals,
+                                       int64_t rows, int64_t n, int splits, int64_t slice_packs) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>, kPacks = kBackwardStagedPacks;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* x_slice = reinterpret_cast<T*>(shared_bytes);
+  T* dy_slice = x_slice + slice_packs * kVec;
+  const int piece = static_cast<int>(blockIdx.x % splits);
+  const int64_t first_column = piece * slice_packs * kVec;
+  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
+  Pack<T, kVec> w[kPacks];
+  A dw[kPacks][kVec] = {}, db[kPacks][kVec] = {};  // RMSNorm never writes db, and the compiler drops it
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int pack = threadIdx.x + k * blockDim.x;
+    if (pack < n_packs) w[k] = load_pack<T, kVec>(weight + first_column + pack * kVec);
+  }
+  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
+    const int64_t offset = row * n + first_column;
+    // Each thread copies, and later reads, only its own packs: its own wait orders them, and the next
+    // row may overwrite them without a barrier.
+    for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+      copy_async_16(x_slice + pack * kVec, x + offset + pack * kVec, true);
+      copy_async_16(dy_slice + pack * kVec, grad_out + offset + pack * kVec, true);
+    }
+    copy_async_commit();
+    copy_async_wait<0>();
+    const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
+    RowSums<A> sums{};
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * blockDim.x;
+      if (pack >= n_packs) continue;
+      const Pack<T, kVec> dy = load_pack<T, kVec>(dy_slice + pack * kVec);
+      const Pack<T, kVec> in = load_pack<T, kVec>(x_slice + pack * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const A g = product_rounded(to_acc(w[k].val[j]), to_acc(dy.val[j]));
+        sums = sums + RowSums<A>{g, g * ((to_acc(in.val[j]) - row_mean) * row_rstd)};
+      }
+    }
+    sums = block_reduce(sums, Add{});
+    if (threadIdx.x == 0) partial_sums[row * splits + piece] = sums;
+    arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
+    RowSums<A> total{};
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+      const A* fields = reinterpret_cast<const A*>(partial_sums + row * splits + s);
+      total = total + RowSums<A>{__ldcg(fields), __ldcg(fields + 1)};
+    }
+    total = block_reduce(total, Add{});
+    const A mean_g = kSubtractMean ? total.g / A(n) : A(0), mean_g_xhat = total.g_xhat / A(n);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * blockDim.x;
+      if (pack >= n_packs) continue;
+      const Pack<T, kVec> dy = load_pack<T, kVec>(dy_slice + pack * kVec);
+      const Pack<T, kVec> in = load_pack<T, kVec>(x_slice + pack * kVec);
+      Pack<T, kVec> out;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const A dy_j = to_acc(dy.val[j]);
+        const A xhat = (to_acc(in.val[j]) - row_mean) * row_rstd;
+        out.val[j] = from_acc<T>(row_rstd * (product_rounded(to_acc(w[k].val[j]), dy_j) - mean_g - xhat * mean_g_xhat));
+        dw[k][j] += dy_j * xhat;
+        db[k][j] += dy_j;
+      }
+      store_pack_once<T, kVec>(grad_x + offset + pack * kVec, out);
+    }
+  }
+  const int64_t partial = blockIdx.x / splits * n + first_column;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int pack = threadIdx.x + k * blockDim.x;
+    if (pack >= n_packs) continue;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      partial_dw[partial + pack * kVec + j] = dw[k][j];
+      if constexpr (kSubtractMean) partial_db[partial + pack * kVec + j] = db[k][j];
+    }
+  }
+}
+
+template <typename T, bool kSubtractMean>
+CooperativePlan backward_cooperative_plan(int64_t rows, int64_t n) {
+  return cooperative_plan<T>(layer_norm_backward_cooperative_kernel<T, kSubtractMean>, rows, n, kBackwardStagedPacks,
+                             kBackwardSliceBytes, 2);
+}
+
 // dw, db = column sums of the (partial_rows, n) buffers. A 32 x 32 block owns 32 adjacent columns:
 // each warp (fixed threadIdx.y) reads 32 adjacent values of one partial row (one 128-byte line in
 // float32) and walks down every 32nd row; then the 32 per-warp sums of each column meet in shared memory.
@@ -246,6 +354,7 @@ struct BackwardPlan {
   int64_t partial_rows = 0;
   int64_t splits = 1;
   bool in_clusters = false;
+  CooperativePlan cooperative;  // its splits > 0: the cooperative grid, rows_at_once == partial_rows
 };
 
 template <bool kSubtractMean>
@@ -261,6 +370,15 @@ BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
     // and the partial buffer has no more rows than the GPU has blocks in flight.
     const int64_t resident = std::max(blocks_per_sm, 1) * multiprocessors;
     const bool in_registers = n <= int64_t{kMaxThreads} * kBackwardValues<Acc<T>>;
+    // Longer rows in 16-byte packs: the cooperative grid, which reads x and dy once, when it holds at
+    // least kCooperativeMinRowsAtOnce rows (or all of them) at once.
+    if (!in_registers) {
+      plan.cooperative = backward_cooperative_plan<T, kSubtractMean>(rows, n);
+      if (plan.cooperative.splits > 0) {
+        plan.partial_rows = plan.cooperative.rows_at_once;
+        return;
+      }
+    }
     if (in_registers || rows >= resident) {
       plan.partial_rows = std::min(rows, resident);
       // Longer rows on sm_90+: as many clusters as are resident at once, one partial row each. The
@@ -281,11 +399,14 @@ BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
   return plan;
 }
 
-// Scratch in statistics-type values: the partial dw (and db) rows, or a (sum g, sum g*xhat) per slice of each row.
+// Scratch in statistics-type values: the partial dw (and db) rows, or a (sum g, sum g*xhat) per slice of
+// each row, or for the cooperative grid both, then a word per row that counts its arrived blocks.
 template <bool kSubtractMean>
 int64_t backward_workspace(DType dtype, int64_t rows, int64_t n) {
   const BackwardPlan plan = backward_plan<kSubtractMean>(dtype, rows, n);
-  return plan.splits > 1 ? rows * plan.splits * 2 : plan.partial_rows * n * (kSubtractMean ? 2 : 1);
+  const int64_t partial_rows = plan.partial_rows * n * (kSubtractMean ? 2 : 1);
+  if (plan.cooperative.splits > 0) return partial_rows + rows * plan.cooperative.splits * 2 + rows;
+  return plan.splits > 1 ? rows * plan.splits * 2 : partial_rows;
 }
 
 template <bool kSubtractMean>
@@ -324,7 +445,17 @@ void launch_backward(DType dtype, const void* grad_out, const void* x, const voi
     }
     A* partial_dw = static_cast<A*>(workspace);
     A* partial_db = kSubtractMean ? partial_dw + plan.partial_rows * n : nullptr;
-    if (plan.in_clusters && vectorise) {
+    const CooperativePlan& cooperative = plan.cooperative;
+    if (cooperative.splits > 0 && vectorise) {
+      auto* sums = reinterpret_cast<RowSums<A>*>(partial_dw + plan.partial_rows * n * (kSubtractMean ? 2 : 1));
+      auto* arrivals = reinterpret_cast<unsigned*>(sums + rows * cooperative.splits);
+      cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), s);
+      launch_cooperative(layer_norm_backward_cooperative_kernel<T, kSubtractMean>,
+                         cooperative.rows_at_once * cooperative.splits, cooperative.threads,
+                         static_cast<int>(cooperative.slice_packs * 16 * 2), s, dy, in, w, means, rstds, dx, partial_dw,
+                         partial_db, sums, arrivals, rows, n, static_cast<int>(cooperative.splits),
+                         cooperative.slice_packs);
+    } else if (plan.in_clusters && vectorise) {
       launch_backward_cluster<T, kSubtractMean>(dy, in, w, means, rstds, dx, partial_dw, partial_db, rows, n,
                                                 plan.partial_rows, s);
     } else {
