@@ -194,10 +194,11 @@ def test_softmax_matches_float64_reference_at_every_row_strategy(shape, dtype):
 # (8200 floats), of 3 (40000 floats: 160 KB; 2 in bfloat16) and of 16, the largest (262144 floats: 1 MB;
 # 8 in bfloat16), longer rows split into 64 KB slices over a cooperative grid (a few 2.4 MB rows, 1.2 MB in
 # bfloat16; and 40 of them, more than the grid holds at once), the two passes for such rows unvectorised
-# (600001), and a looped block for a long unvectorised row. Backward: rows in registers; 300 long rows on Hopper
-# on a persistent grid of clusters (2 blocks' registers a row at 8200 floats, 16 at 131072), unvectorised
-# (8202) on the looped persistent grid; and the few long rows cut into column slices. The backward reads
-# the mean and rstd each forward path saved.
+# (600001), and a looped block for a long unvectorised row. Backward: rows in registers; longer rows in
+# 16-byte packs (8200, 131072, 600000) on a cooperative grid of 32 KB column slices, with more rows than
+# it holds at once from 300 on; unvectorised (8202) on the looped persistent grid; and the few long
+# unvectorised rows (600001) cut into column slices. The backward reads the mean and rstd each forward
+# path saved.
 NORM_ROW_STRATEGY_SHAPES = [(4099, 128), (1000, 37), (33, 4096), (300, 8200), (300, 8202), (300, 131072), (5, 40000),
                             (2, 262144), (3, 600000), (40, 600000), (3, 600001), (2, 40001)]
 
