@@ -234,6 +234,41 @@ __device__ __forceinline__ void arrive_and_wait(unsigned* counter, unsigned expe
   __syncthreads();
 }
 
+// Where block blockIdx.x of a cooperative grid sits: it owns slice `piece` (slice_packs packs of kVec
+// values from first_column; n_packs of them inside the row) of rows first_row, first_row + row_step, ...
+struct CooperativeSlice {
+  int piece, n_packs, first_row, row_step;  // a grid has fewer than 2^31 blocks
+  int64_t first_column;
+};
+
+template <int kVec>
+__device__ __forceinline__ CooperativeSlice cooperative_slice(int64_t n, int splits, int64_t slice_packs) {
+  const int piece = static_cast<int>(blockIdx.x % splits);
+  return {piece, static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs)),
+          static_cast<int>(blockIdx.x / splits), static_cast<int>(gridDim.x / splits), piece * slice_packs * kVec};
+}
+
+// The merge of one row's `splits` partial results (Moments, (max, sum) pairs, row sums), which other
+// blocks stored a moment ago: read from L2 a field at a time (__ldcg on words of the fields' size),
+// combined in the same order in every block of the row, so that all of them get the same bits.
+template <typename S, typename Combine>
+__device__ __forceinline__ S merge_row_partials(const S* row_partials, int splits, Combine combine) {
+  using Word = std::conditional_t<alignof(S) >= 8, unsigned long long, unsigned>;
+  static_assert(sizeof(S) % sizeof(Word) == 0, "partials are structs of floats or of doubles");
+  constexpr int kWords = static_cast<int>(sizeof(S) / sizeof(Word));
+  S total{};
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    Word words[kWords];
+    const auto* stored = reinterpret_cast<const Word*>(row_partials + s);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) words[i] = __ldcg(stored + i);
+    S partial;
+    memcpy(&partial, words, sizeof(S));
+    total = combine(total, partial);
+  }
+  return block_reduce(total, combine);
+}
+
 // How many blocks of `kernel` (with `threads` threads and shared_bytes of dynamic shared memory) the
 // GPU holds at once: the largest cooperative grid it accepts. 0 when the query fails (error cleared).
 template <typename... Params>

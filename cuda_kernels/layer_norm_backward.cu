@@ -218,18 +218,27 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* x_slice = reinterpret_cast<T*>(shared_bytes);
   T* dy_slice = x_slice + slice_packs * kVec;
-  const int piece = static_cast<int>(blockIdx.x % splits);
-  const int64_t first_column = piece * slice_packs * kVec;
-  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
+  const CooperativeSlice mine = cooperative_slice<kVec>(n, splits, slice_packs);
+  const int n_packs = mine.n_packs;
+  // Calls visit(k, pack, dy, x) for this thread's packs k = 0, 1, ... of the staged slices.
+  const auto for_each_staged_pack = [&](auto&& visit) {
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * blockDim.x;
+      if (pack < n_packs) {
+        visit(k, pack, load_pack<T, kVec>(dy_slice + pack * kVec), load_pack<T, kVec>(x_slice + pack * kVec));
+      }
+    }
+  };
   Pack<T, kVec> w[kPacks];
   A dw[kPacks][kVec] = {}, db[kPacks][kVec] = {};  // RMSNorm never writes db, and the compiler drops it
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const int pack = threadIdx.x + k * blockDim.x;
-    if (pack < n_packs) w[k] = load_pack<T, kVec>(weight + first_column + pack * kVec);
+    if (pack < n_packs) w[k] = load_pack<T, kVec>(weight + mine.first_column + pack * kVec);
   }
-  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
-    const int64_t offset = row * n + first_column;
+  for (int64_t row = mine.first_row; row < rows; row += mine.row_step) {
+    const int64_t offset = row * n + mine.first_column;
     // Each thread copies, and later reads, only its own packs: its own wait orders them, and the next
     // row may overwrite them without a barrier.
     for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
@@ -240,34 +249,19 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
     copy_async_wait<0>();
     const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
     RowSums<A> sums{};
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * blockDim.x;
-      if (pack >= n_packs) continue;
-      const Pack<T, kVec> dy = load_pack<T, kVec>(dy_slice + pack * kVec);
-      const Pack<T, kVec> in = load_pack<T, kVec>(x_slice + pack * kVec);
+    for_each_staged_pack([&](int k, int, const Pack<T, kVec>& dy, const Pack<T, kVec>& in) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const A g = product_rounded(to_acc(w[k].val[j]), to_acc(dy.val[j]));
         sums = sums + RowSums<A>{g, g * ((to_acc(in.val[j]) - row_mean) * row_rstd)};
       }
-    }
+    });
     sums = block_reduce(sums, Add{});
-    if (threadIdx.x == 0) partial_sums[row * splits + piece] = sums;
+    if (threadIdx.x == 0) partial_sums[row * splits + mine.piece] = sums;
     arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
-    RowSums<A> total{};
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-      const A* fields = reinterpret_cast<const A*>(partial_sums + row * splits + s);
-      total = total + RowSums<A>{__ldcg(fields), __ldcg(fields + 1)};
-    }
-    total = block_reduce(total, Add{});
+    const RowSums<A> total = merge_row_partials(partial_sums + row * splits, splits, Add{});
     const A mean_g = kSubtractMean ? total.g / A(n) : A(0), mean_g_xhat = total.g_xhat / A(n);
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * blockDim.x;
-      if (pack >= n_packs) continue;
-      const Pack<T, kVec> dy = load_pack<T, kVec>(dy_slice + pack * kVec);
-      const Pack<T, kVec> in = load_pack<T, kVec>(x_slice + pack * kVec);
+    for_each_staged_pack([&](int k, int pack, const Pack<T, kVec>& dy, const Pack<T, kVec>& in) {
       Pack<T, kVec> out;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -278,9 +272,9 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
         db[k][j] += dy_j;
       }
       store_pack_once<T, kVec>(grad_x + offset + pack * kVec, out);
-    }
+    });
   }
-  const int64_t partial = blockIdx.x / splits * n + first_column;
+  const int64_t partial = mine.first_row * n + mine.first_column;  // the block's partial row
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const int pack = threadIdx.x + k * blockDim.x;

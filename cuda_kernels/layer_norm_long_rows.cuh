@@ -169,24 +169,19 @@ layer_norm_forward_cooperative_kernel(const T* __restrict__ x, const T* __restri
   constexpr int kVec = kVecOf<T>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* slice = reinterpret_cast<T*>(shared_bytes);
-  const int piece = static_cast<int>(blockIdx.x % splits);
-  const int64_t first_column = piece * slice_packs * kVec;
-  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
-  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
+  const CooperativeSlice mine = cooperative_slice<kVec>(n, splits, slice_packs);
+  const int64_t first_column = mine.first_column;
+  const int n_packs = mine.n_packs;
+  for (int64_t row = mine.first_row; row < rows; row += mine.row_step) {
     const int64_t offset = row * n + first_column;
     // Each thread stages, reduces and writes the same packs, so the next row may overwrite them freely.
     stage_slice<T>(x + offset, slice, n_packs);
-    const Moments<A> mine = block_moments<T, kVec, kSubtractMean>(slice, n_packs);
-    if (threadIdx.x == 0) partials[row * splits + piece] = mine;
+    const Moments<A> statistics = block_moments<T, kVec, kSubtractMean>(slice, n_packs);
+    if (threadIdx.x == 0) partials[row * splits + mine.piece] = statistics;
     arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
-    Moments<A> total;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-      const A* fields = reinterpret_cast<const A*>(partials + row * splits + s);
-      total = total + Moments<A>{__ldcg(fields), __ldcg(fields + 1), __ldcg(fields + 2)};
-    }
-    total = block_reduce(total, Add{});
+    const Moments<A> total = merge_row_partials(partials + row * splits, splits, Add{});
     const A mean = kSubtractMean ? total.mean : A(0), rstd = rsqrt(total.m2 / A(n) + eps);
-    if (piece == 0 && threadIdx.x == 0) {
+    if (mine.piece == 0 && threadIdx.x == 0) {
       if constexpr (kSubtractMean) mean_out[row] = mean;
       rstd_out[row] = rstd;
     }

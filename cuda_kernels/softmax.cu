@@ -199,20 +199,13 @@ softmax_forward_cooperative_kernel(const T* __restrict__ x, T* __restrict__ y, M
   constexpr int kVec = kVecOf<T>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* slice = reinterpret_cast<T*>(shared_bytes);
-  const int piece = static_cast<int>(blockIdx.x % splits);
-  const int64_t first_column = piece * slice_packs * kVec;
-  const int n_packs = static_cast<int>(min(slice_packs, n / kVec - piece * slice_packs));
-  for (int64_t row = blockIdx.x / splits; row < rows; row += gridDim.x / splits) {
-    const int64_t offset = row * n + first_column;
-    const MaxSum<A> mine = stage_and_reduce<T>(x + offset, slice, n_packs);
-    if (threadIdx.x == 0) partials[row * splits + piece] = mine;
+  const CooperativeSlice mine = cooperative_slice<kVec>(n, splits, slice_packs);
+  for (int64_t row = mine.first_row; row < rows; row += mine.row_step) {
+    const int64_t offset = row * n + mine.first_column;
+    const MaxSum<A> statistics = stage_and_reduce<T>(x + offset, slice, mine.n_packs);
+    if (threadIdx.x == 0) partials[row * splits + mine.piece] = statistics;
     arrive_and_wait(arrivals + row, static_cast<unsigned>(splits));
-    MaxSum<A> total;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-      const A* fields = reinterpret_cast<const A*>(partials + row * splits + s);
-      total = merge(total, MaxSum<A>{__ldcg(fields), __ldcg(fields + 1)});
-    }
-    write_probabilities<T, kVec>(y + offset, n_packs, block_reduce(total, Merge{}),
+    write_probabilities<T, kVec>(y + offset, mine.n_packs, merge_row_partials(partials + row * splits, splits, Merge{}),
                                  [&](int64_t pack) { return load_pack<T, kVec>(slice + pack * kVec); });
   }
 }
