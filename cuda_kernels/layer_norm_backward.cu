@@ -274,17 +274,8 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
       store_pack_once<T, kVec>(grad_x + offset + pack * kVec, out);
     });
   }
-  const int64_t partial = mine.first_row * n + mine.first_column;  // the block's partial row
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = threadIdx.x + k * blockDim.x;
-    if (pack >= n_packs) continue;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      partial_dw[partial + pack * kVec + j] = dw[k][j];
-      if constexpr (kSubtractMean) partial_db[partial + pack * kVec + j] = db[k][j];
-    }
-  }
+  const int64_t partial = mine.first_row * n + mine.first_column;  // the block's partial row, its columns
+  store_partial_row<kSubtractMean>(dw, db, partial_dw + partial, kSubtractMean ? partial_db + partial : nullptr, n_packs);
 }
 
 template <typename T, bool kSubtractMean>

@@ -34,6 +34,23 @@ struct RowSums {
 template <typename A>
 __device__ __forceinline__ RowSums<A> operator+(RowSums<A> a, RowSums<A> b) { return {a.g + b.g, a.g_xhat + b.g_xhat}; }
 
+// A thread's running dw (and db) for its packs t, t + blockDim.x, ... of a block's columns, as its part
+// of the block's row of each partial buffer: written once, read by the column reduction.
+template <bool kSubtractMean, typename A, int kPacks, int kVec>
+__device__ __forceinline__ void store_partial_row(const A (&dw)[kPacks][kVec], const A (&db)[kPacks][kVec], A* dw_row,
+                                                  A* db_row, int n_packs) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int pack = threadIdx.x + k * blockDim.x;
+    if (pack >= n_packs) continue;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      dw_row[pack * kVec + j] = dw[k][j];
+      if constexpr (kSubtractMean) db_row[pack * kVec + j] = db[k][j];
+    }
+  }
+}
+
 // --- a row in registers -------------------------------------------------------------------------
 // What one thread holds of a row (or of its block's slice of one): its packs t, t + blockDim.x, ... of
 // xhat and g, and its running dw, db for the same columns. These are its columns in every row, so dw and
@@ -84,20 +101,10 @@ struct HeldBackwardPacks {
     }
   }
 
-  // The running dw (and db) as the block's row of each partial buffer: written once, read by the column
-  // reduction.
+  // The running dw (and db) as the block's row of each partial buffer (store_partial_row).
   template <bool kSubtractMean>
   __device__ __forceinline__ void store_partials(A* dw_row, A* db_row, int n_packs) const {
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * blockDim.x;
-      if (pack >= n_packs) continue;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        dw_row[pack * kVec + j] = dw[k][j];
-        if constexpr (kSubtractMean) db_row[pack * kVec + j] = db[k][j];
-      }
-    }
+    store_partial_row<kSubtractMean>(dw, db, dw_row, db_row, n_packs);
   }
 };
 
