@@ -15,8 +15,10 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
 ``layer_norm_backward.py``; rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
-    ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
-                                        (Chan's formula), pass 2 normalises; the row is read twice
+    ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK under the interpreter (on a GPU the
+                                        split file's cooperative grid reads them once): pass 1 merges
+                                        per-block statistics (Chan's formula), pass 2 normalises; the row
+                                        is read twice
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
                                         longer than MAX_ROW_BLOCK take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
@@ -30,8 +32,9 @@ The one idea that makes it fast
 
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
-    least 4096 elements, several rows a program; a row a program, in registers; a row a program,
-    looped over; or, for a few long rows, each row split across programs (``layer_norm_split.py``).
+    least 4096 elements, several rows a program; a row a program, in registers; on a GPU, longer rows
+    split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
+    program, looped over; or, for a few long rows, each row split across programs in two phases.
     ``launch.row_tile``: the row rounded up to a power of two is one block; one warp per 1024
     elements. The backward launches BACKWARD_WARPS_PER_SM warps' worth of programs per SM (one 8-warp
     program at N = 8192).
@@ -42,8 +45,9 @@ Measured (H100, 8192 × 8192, kernels alone)
     over its three tensors, plus 10 µs for the dw, db column reduction.
 
 Limits
-    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over forward, never rejected, and split
-    across programs when they are too few to fill the SMs; backward they are always split. The backward's
+    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are split across a cooperative grid forward on a
+    GPU, or looped over, or split in two phases when they are too few to fill the SMs; never rejected.
+    Backward they are always split in two phases. The backward's
     partial buffers have at most min(rows, a few × SMs) rows of N float32 values. float16, bfloat16,
     float32, float64 on the GPU (statistics and sums in float32, float64 for float64); float32 and
     float64 under the interpreter.

@@ -13,7 +13,7 @@ Kernels, in the order they run
                                      (the *online* softmax); pass 2 normalises. The row is read twice
     ``_softmax_bwd_kernel``          dx per row from y and dy in registers
     ``_softmax_bwd_looped_kernel``   the same for long rows: pass 1 sums dy·y, pass 2 writes dx
-    (a few long rows: split across programs, in softmax_split.py)
+    (long rows split across programs, read once by a cooperative grid on a GPU: softmax_split.py)
 
 The one idea that makes it fast
     Level 1 makes four passes over memory (max, subtract-and-exp, sum, divide) and allocates the
@@ -26,8 +26,10 @@ Launch
     ``launch.row_tile``, shared with LayerNorm: a row rounded up to a power of two is one block if it
     fits in 16384 elements (the forward, which keeps one value an element in registers, 32768 at 32
     warps); short rows are stacked into tiles of at least 4096 elements; one warp per 1024 elements.
-    Longer rows get one program each and are walked in blocks of 4096, unless they are too few to fill
-    the SMs: then ``launch.row_strategy`` splits each across programs (softmax_split.py).
+    Longer rows are split across a cooperative grid on a GPU (softmax_split.py), read once; under the
+    interpreter, and where that grid would hold too few rows at once, they get one program each, walked
+    in blocks of 4096, unless they are too few to fill the SMs: then ``launch.row_strategy`` splits each
+    across programs in two phases.
 
 Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
     8192 × 8192 float32: forward 183 µs, 2.94 TB/s (99 % of copy; torch.softmax 1.84 TB/s), backward

@@ -1,10 +1,14 @@
-"""Softmax in Triton for a few long rows: each row split across programs, in two phases.
+"""Softmax in Triton for long rows: each row split across programs, in one cooperative launch that reads
+the row once (the forward, on a GPU), or in two phases.
 
 Why
     ``softmax.py`` gives each row one program. 64 rows of 300000 were 64 programs on 132 SMs, each
     walking its row alone (0.90 TB/s forward on an H100). Here a row is cut into slices of
     ``launch.SPLIT_BLOCK`` elements, one program each, so rows × slices programs share the work;
-    ``launch.row_strategy`` decides when, as for LayerNorm.
+    ``launch.row_strategy`` decides when, as for LayerNorm. On a GPU the forward's
+    ``_softmax_fwd_cooperative_kernel`` keeps each slice in registers while the row's programs exchange
+    their (max, sum) pairs, as ``layer_norm_split.py`` explains: softmax over 4096 × 262,144 float32
+    went from 66 to 84 % of copy bandwidth on an H100.
 
 What it computes
     forward  phase 1  each slice's maximum m and Σ exp(x − m), into (rows, slices) float32 buffers
