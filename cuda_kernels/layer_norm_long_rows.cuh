@@ -26,6 +26,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "cooperative.cuh"
 
 namespace kernel_ladder {
 
@@ -154,7 +155,7 @@ layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__
 }
 
 // Split rows, read once: a cooperative grid of rows_at_once x splits blocks, every one resident, so a
-// block may wait for the others of its row (common.cuh's arrive_and_wait). Block b owns slice b % splits
+// block may wait for the others of its row (cooperative.cuh's arrive_and_wait). Block b owns slice b % splits
 // of rows b / splits, then that plus rows_at_once, and so on: it stages the slice in shared memory,
 // publishes its Moments to partials[row * splits + slice], waits for the row's other slices, merges
 // them (the same order in every block of the row, as layer_norm_normalise_kernel does) and writes its

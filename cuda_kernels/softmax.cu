@@ -53,6 +53,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "cooperative.cuh"
 
 namespace kernel_ladder {
 
@@ -188,7 +189,7 @@ softmax_forward_cluster_kernel(const T* __restrict__ x, T* __restrict__ y, int64
 
 // Split rows, read once: the cooperative grid of layer_norm_long_rows.cuh's
 // layer_norm_forward_cooperative_kernel, with (max, sum) pairs in place of Moments: each block stages its
-// slice in shared memory, publishes the slice's pair, waits for its row's other slices (common.cuh's
+// slice in shared memory, publishes the slice's pair, waits for its row's other slices (cooperative.cuh's
 // arrive_and_wait), merges the row's pairs and writes its slice from the staged copy.
 template <typename T>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads)

@@ -331,11 +331,6 @@ def arrive_and_wait(Arrivals, expected):
         arrived = tl.atomic_add(Arrivals, 0, sem="acquire", scope="gpu")
 
 
-@functools.cache
-def _cuda_driver() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
 def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = False, cooperative: bool = False) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 
@@ -451,6 +446,12 @@ def _constant_tail(kernel, args, constants: dict) -> tuple:
 
 
 _cooperative_kernels: dict[tuple, tuple] = {}
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library, for the one call Triton does not wrap: the occupancy query."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bool:
