@@ -5,7 +5,8 @@
 //   layer_norm_backward_kernel          a persistent grid: each block walks rows blockIdx.x, + gridDim.x,
 //                                       ... holding x, dy in registers; writes dx, and keeps its running
 //                                       dw, db in registers, written once as its row of a partial buffer
-//   layer_norm_backward_cluster_kernel  the same for rows of up to 16 blocks' registers on sm_90+, a
+//   layer_norm_backward_cluster_kernel  the same for many rows too long for the cooperative grid below
+//                                       (past ~4 MB), up to 16 blocks' registers, on sm_90+: a
 //                                       thread-block CLUSTER in place of each block: every block of it holds
 //                                       one column slice of each row, the slices' row sums meet in
 //                                       distributed shared memory, one partial row per cluster
@@ -244,9 +245,12 @@ auto backward_kernel_for(int64_t n, int* threads) {
                       : layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
 }
 
-// The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1) or, for rows
-// too long for one block's registers on sm_90+, of partial_rows clusters (in_clusters); or, for rows too
-// long for registers and fewer than the blocks the GPU holds at once, `splits` column slices.
+// The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1); for rows too
+// long for one block's registers, in 16-byte packs, the cooperative grid of
+// layer_norm_backward_cooperative.cuh (`cooperative`, partial_rows its rows at once) while it holds at
+// least 3 rows (rows up to ~4 MB on an H100); past that, on sm_90+, partial_rows clusters (in_clusters)
+// when the rows are many, or, when they are fewer than the blocks the GPU holds at once, `splits`
+// column slices.
 struct BackwardPlan {
   int64_t partial_rows = 0;
   int64_t splits = 1;
