@@ -11,6 +11,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "kernels.h"
@@ -95,6 +98,29 @@ inline int multiprocessor_count() {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
   return count;
+}
+
+// make() once per (current device, key...) at each call site, then its value from a table. For host plans
+// built on occupancy queries: each query is a driver call of microseconds, and a training step asks
+// the same few shapes of the same kernels on every call, where a small kernel runs in fewer. (Each
+// call site's lambda is a type of its own, so each gets its own table; the lock makes it safe from
+// autograd's device threads.)
+template <typename Make, typename... Key>
+auto memoised_per_device(const Make& make, Key... key) -> decltype(make()) {
+  using Value = decltype(make());
+  static std::mutex mutex;
+  static std::map<std::tuple<int, Key...>, Value> table;
+  int device = 0;
+  cudaGetDevice(&device);
+  const std::tuple<int, Key...> full_key{device, key...};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto found = table.find(full_key);
+    if (found != table.end()) return found->second;
+  }
+  const Value value = make();  // outside the lock: two threads may both make it, and agree
+  const std::lock_guard<std::mutex> lock(mutex);
+  return table.emplace(full_key, value).first->second;
 }
 
 // One block per row: enough warps that `values_per_thread` values each cover the row

@@ -65,15 +65,23 @@ __device__ __forceinline__ S merge_row_partials(const S* row_partials, int split
 
 // How many blocks of `kernel` (with `threads` threads and shared_bytes of dynamic shared memory) the
 // GPU holds at once: the largest cooperative grid it accepts. 0 when the query fails (error cleared).
+// Asked once per device and shape. The kernel's dynamic shared-memory limit is raised to
+// max_shared_bytes, the most any of its launches asks for, not to this shape's: a plan made later
+// for a smaller shape must not lower the limit below what an earlier, remembered one launches with.
 template <typename... Params>
-int64_t resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
-  int per_multiprocessor = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared_bytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return int64_t{per_multiprocessor} * multiprocessor_count();
+int64_t resident_blocks(void (*kernel)(Params...), int threads, int shared_bytes, int max_shared_bytes) {
+  return memoised_per_device(
+      [&] {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared_bytes);
+        int per_multiprocessor = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, shared_bytes) !=
+            cudaSuccess) {
+          cudaGetLastError();
+          return int64_t{0};
+        }
+        return int64_t{per_multiprocessor} * multiprocessor_count();
+      },
+      reinterpret_cast<const void*>(kernel), threads, shared_bytes);
 }
 
 // A cooperative grid's geometry for rows of n values of T: slices of up to slice_bytes, one block each,
@@ -103,7 +111,9 @@ CooperativePlan cooperative_plan(void (*kernel)(Params...), int64_t rows, int64_
   const int64_t slice_packs = ceil_div(n / kVec, splits);
   const int threads = row_threads(slice_packs * kVec, packs_per_thread * kVec);
   const int shared_bytes = static_cast<int>(slice_packs * 16 * staged_arrays);
-  const int64_t rows_at_once = std::min(rows, resident_blocks(kernel, threads, shared_bytes) / splits);
+  const int max_shared_bytes = static_cast<int>(slice_bytes * staged_arrays);  // slice_packs * 16 <= slice_bytes
+  const int64_t rows_at_once =
+      std::min(rows, resident_blocks(kernel, threads, shared_bytes, max_shared_bytes) / splits);
   if (rows_at_once < std::min(rows, kCooperativeMinRowsAtOnce)) return {};
   return {splits, slice_packs, rows_at_once, threads};
 }

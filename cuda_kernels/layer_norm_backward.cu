@@ -259,7 +259,7 @@ struct BackwardPlan {
 };
 
 template <bool kSubtractMean>
-BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
+BackwardPlan make_backward_plan(DType dtype, int64_t rows, int64_t n) {
   BackwardPlan plan;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -298,6 +298,13 @@ BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
                            std::min(kSplitBlocksPerSM * multiprocessors, ceil_div(n, kWarpSize * kVecOf<T>)));
   });
   return plan;
+}
+
+// Made once per device and shape (its occupancy queries are driver calls): a backward asks twice, for
+// its workspace's size and to launch.
+template <bool kSubtractMean>
+BackwardPlan backward_plan(DType dtype, int64_t rows, int64_t n) {
+  return memoised_per_device([&] { return make_backward_plan<kSubtractMean>(dtype, rows, n); }, dtype, rows, n);
 }
 
 // Scratch in statistics-type values: the partial dw (and db) rows, or a (sum g, sum g*xhat) per slice of

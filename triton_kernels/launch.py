@@ -448,6 +448,26 @@ def _constant_tail(kernel, args, constants: dict) -> tuple:
 _cooperative_kernels: dict[tuple, tuple] = {}
 
 
+class _RowArrivals:
+    """``ROW_ARRIVALS``'s type."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ROW_ARRIVALS"
+
+
+ROW_ARRIVALS = _RowArrivals()
+"""Stands, among ``launch_cooperative``'s arguments, for the counters ``arrive_and_wait`` counts on: a
+zeroed int32 per row. ``launch_cooperative`` allocates them only once it knows the grid will launch,
+so a caller that falls back to its two phases pays no allocation and no zeroing kernel for them."""
+
+
+def _with_row_arrivals(args: tuple, rows: int, device: int) -> tuple:
+    arrivals = torch.zeros(rows, dtype=torch.int32, device=torch.device("cuda", device))
+    return tuple(arrivals if arg is ROW_ARRIVALS else arg for arg in args)
+
+
 @functools.cache
 def _cuda_driver() -> ctypes.CDLL:
     """The CUDA driver library, for the one call Triton does not wrap: the occupancy query."""
@@ -464,13 +484,16 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     holds, from the compiled kernel's registers, shared memory and warps
     (``cuOccupancyMaxActiveBlocksPerMultiprocessor``, the arithmetic by which it would refuse), asked
     once per compiled kernel and kept beside it. Returns False, launching nothing, when fewer than
-    ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit: the caller runs its two phases."""
+    ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit: the caller runs its two phases.
+    The row counters go among ``args`` as ``ROW_ARRIVALS``."""
     constants["launch_cooperative_grid"] = True
     device = _current_cuda_device()
+    # The key sees ROW_ARRIVALS, not a tensor; the kernel is compiled for a fresh allocation's counters,
+    # int32 and 16-byte aligned like every buffer of PyTorch's caching allocator.
     key = _launch_key(kernel, device, args, constants)
     entry = _cooperative_kernels.get(key)
     if entry is None:
-        compiled = kernel.warmup(*args, grid=(1,), **constants)  # compiles (or finds) without launching
+        compiled = kernel.warmup(*_with_row_arrivals(args, 1, device), grid=(1,), **constants)  # compiles, no launch
         compiled._init_handles()  # loads the binary: its CUfunction handle is what the driver is asked about
         per_multiprocessor = ctypes.c_int()
         result = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -484,6 +507,7 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     rows_at_once = min(rows, resident // slices)
     if rows_at_once < min(rows, COOPERATIVE_MIN_ROWS_AT_ONCE):
         return False
+    args = _with_row_arrivals(args, rows, device)
     if not DIRECT_LAUNCH or _hooked(kernel):
         kernel[(rows_at_once * slices,)](*args, **constants)
     else:

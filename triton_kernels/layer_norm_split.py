@@ -53,6 +53,7 @@ import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
 from .launch import (
+    ROW_ARRIVALS,
     accumulator_dtype,
     arrive_and_wait,
     cdiv,
@@ -189,8 +190,7 @@ def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooper
                            HAS_BIAS=subtract_mean, **flags)
     with on_device(x):
         if cooperative:
-            arrivals = torch.zeros(rows, dtype=torch.int32, device=x.device)
-            args = (x, out, weight, bias_in, partial_mean, partial_m2, arrivals, mean_out, rstd_out, rows, n, slices,
+            args = (x, out, weight, bias_in, partial_mean, partial_m2, ROW_ARRIVALS, mean_out, rstd_out, rows, n, slices,
                     *split_float(eps))
             if launch_cooperative(_norm_fwd_cooperative_kernel, rows, slices, *args, **normalize_flags):
                 return

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
-from .launch import (arrive_and_wait, cdiv, compute_dtype, launch, launch_cooperative, next_power_of_2, on_device,
-                     split_row_partials, split_row_slice)
+from .launch import (ROW_ARRIVALS, arrive_and_wait, cdiv, compute_dtype, launch, launch_cooperative, next_power_of_2,
+                     on_device, split_row_partials, split_row_slice)
 
 SPLIT_WARPS = 4  # as layer_norm_split.py: 32 values a thread for a 4096-element slice
 
@@ -109,8 +109,7 @@ def launch_softmax_fwd_split(x: torch.Tensor, out: torch.Tensor, rows: int, n: i
     flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), num_warps=SPLIT_WARPS)
     with on_device(x):
         if cooperative:
-            arrivals = torch.zeros(rows, dtype=torch.int32, device=x.device)
-            args = (x, out, partial_max, partial_sum, arrivals, rows, n, slices)
+            args = (x, out, partial_max, partial_sum, ROW_ARRIVALS, rows, n, slices)
             if launch_cooperative(_softmax_fwd_cooperative_kernel, rows, slices, *args,
                                   BLOCK_SLICES=next_power_of_2(slices), **flags):
                 return
