@@ -64,6 +64,8 @@ Check
     python -m profiling --component attention --shape 4 16 4096 128 --dtype bfloat16 --backward
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,6 +135,7 @@ SMs. Measured on an H100 (bfloat16, (1, 4, 16384, 128), window 1024, do_bench): 
 there: 0.635 ms). The window keeps the causal tile at width 256 (chosen by arithmetic, not measured)."""
 
 
+@functools.cache  # a launch asks for its tile on every call
 def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> AttentionTile:
     block_d = padded_head_dim(head_dim)
     if dtype.itemsize != 2:

@@ -16,6 +16,7 @@ Grouped-query attention. k and v may have fewer heads than q (H a multiple of Hk
 head batch·H + h reads kv head batch·Hkv + h // group, which is simply (batch·H + h) // group.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message
 
-from .launch import accumulator_dtype, check_contiguous, require
+from .launch import accumulator_dtype, check_contiguous, next_power_of_2, require
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
 
@@ -38,18 +39,20 @@ class AttentionTile(NamedTuple):
     num_stages: int  # loads in flight in the software pipeline of the key (or query) loop
 
 
+@functools.cache  # asked on every launch; a few head dims in a program's life
 def padded_head_dim(head_dim: int) -> int:
     """The tile width of a head dim: the next power of two, at least 16 (tl.dot's smallest k)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
+@functools.cache
 def head_dim_slices(head_dim: int) -> tuple[int, int]:
     """The forward's column slices of a head dim: (main, rest), both powers of two (rest 0: one slice),
     main + rest ≥ head_dim. Two slices where they are narrower than the padded tile: 80 → (64, 16),
     96 → (64, 32), 160 → (128, 32); 112 → (128, 0), since 64 + 64 would be no narrower than 128."""
     padded = padded_head_dim(head_dim)
-    main = max(16, triton.next_power_of_2(head_dim + 1) // 2)
-    rest = 0 if head_dim <= main else max(16, triton.next_power_of_2(head_dim - main))
+    main = max(16, next_power_of_2(head_dim + 1) // 2)
+    rest = 0 if head_dim <= main else max(16, next_power_of_2(head_dim - main))
     return (main, rest) if 0 < rest and main + rest < padded else (padded, 0)
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .launch import (
     check_contiguous,
+    cdiv,
     check_inputs,
     compute_dtype,
     dot_input_precision,
@@ -166,7 +167,7 @@ def linear_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     y = torch.empty_like(residual)
     block = 16  # tl.dot's smallest tile; a real kernel picks 64-128 (lesson 05)
     with on_device(x):
-        launch(_linear_bias_residual_kernel, (triton.cdiv(m, block), triton.cdiv(n, block)), x, weight, bias,
+        launch(_linear_bias_residual_kernel, (cdiv(m, block), cdiv(n, block)), x, weight, bias,
                residual, y, m, n, k, BLOCK_M=block, BLOCK_N=block, BLOCK_K=block,
                PRECISION=dot_input_precision(x.dtype), COMPUTE=compute_dtype(x.dtype))
     return y
