@@ -32,7 +32,7 @@ import torch
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import launch_attention_fwd
 from .attention_tiles import check_attention_shapes
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import accumulator_dtype
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -103,7 +103,6 @@ class _AttentionEager(EagerFunction):
         return out
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         grad_q, grad_k, grad_v = launch_attention_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors,
                                                                 *ctx.mask_and_scale)

@@ -66,7 +66,7 @@ Check
 
 import torch
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import check_contiguous, check_inputs, require
 from .matmul import Epilogue, launch_column_sum, launch_matmul
 
@@ -304,7 +304,6 @@ class _LinearEager(EagerFunction):
         return launch_linear_fwd(x, weight, bias)
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_weight, grad_bias = launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias if ctx.has_bias else None
@@ -321,7 +320,6 @@ class _FeedForwardEager(EagerFunction):
         return out
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd_unchecked(
             grad_out.contiguous(), *ctx.saved_tensors)

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import (
     accumulator_dtype,
     cdiv,
@@ -307,7 +307,6 @@ class _LayerNormEager(EagerFunction):
         return out
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         grad_x, grad_weight, grad_bias = launch_norm_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
         return grad_x, grad_weight, grad_bias, None

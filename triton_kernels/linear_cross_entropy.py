@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import (
     LOOPED_ROW_BLOCK,
     accumulator_dtype,
@@ -321,7 +321,6 @@ class _LinearCrossEntropyEager(EagerFunction):
         return loss
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_loss):
         return *launch_linear_cross_entropy_bwd_unchecked(grad_loss, *ctx.saved_tensors), None, None, None
 

@@ -26,7 +26,7 @@ Check
 
 import torch
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import accumulator_dtype, check_inputs
 from .layer_norm import check_norm_shapes, launch_norm_fwd
 from .layer_norm_backward import launch_norm_bwd_unchecked
@@ -105,7 +105,6 @@ class _RMSNormEager(EagerFunction):
         return out
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         grad_x, grad_weight, _ = launch_norm_bwd_unchecked(grad_out.contiguous(), x, weight, None, rstd)

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix,
                      row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
@@ -280,7 +280,6 @@ class _SoftmaxEager(EagerFunction):
         return y
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         (y,) = ctx.saved_tensors
         return launch_softmax_bwd_unchecked(grad_out.contiguous(), y)

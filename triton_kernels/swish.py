@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction, first_order_only
+from .eager import EagerFunction
 from .launch import (
     check_contiguous,
     check_inputs,
@@ -170,7 +170,6 @@ class _SwishEager(EagerFunction):
         return launch_swish_fwd(x, beta)
 
     @staticmethod
-    @first_order_only
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         return launch_swish_bwd_unchecked(grad_out.contiguous(), x, ctx.beta), None
