@@ -103,10 +103,12 @@ def require_value(condition, message) -> None:
 
 def check_contiguous(op: str, *tensors: torch.Tensor) -> None:
     """The kernels index memory linearly. Also called by the fake implementations, where
-    ``is_contiguous()`` may be a symbolic answer that ``require`` hands to torch._check."""
+    ``is_contiguous()`` may be a symbolic answer that ``require`` hands to torch._check. A plain True
+    calls nothing and builds no message closure: every launcher runs this."""
     for tensor in tensors:
-        require(tensor.is_contiguous(),
-                lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
+        contiguous = tensor.is_contiguous()
+        if contiguous is not True:
+            require(contiguous, lambda: f"triton_kernels::{op} needs contiguous tensors (call .contiguous() first)")
 
 
 _SAME_DEVICE = contextlib.nullcontext()
@@ -147,8 +149,10 @@ def row_matrix(op: str, x: torch.Tensor) -> tuple[int, int]:
     """(rows, N) of a contiguous x of shape (..., N), which a row-wise kernel (LayerNorm, softmax) walks
     as a (rows, N) matrix: its leading dims are the rows. Taking x as it comes spares every caller a
     view (a tensor object and an autograd node each, which at decode sizes cost about as much as the
-    kernel)."""
-    require(x.dim() >= 1, lambda: f"{op}: x must have at least one dim (rows of N), got a scalar")
+    kernel). A tensor's number of dims is a plain int even under torch.compile, so the check is an ``if``
+    that builds the message closure only for a scalar."""
+    if x.dim() == 0:
+        require(False, lambda: f"{op}: x must have at least one dim (rows of N), got a scalar")
     n = x.shape[-1]
     return (x.numel() // n if n else 0), n
 
