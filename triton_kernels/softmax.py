@@ -61,17 +61,18 @@ from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
 
-def check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> None:
+def check_softmax_shapes(op: str, x: torch.Tensor, like_x: dict | None = None) -> tuple[int, int]:
     """x is (..., N), softmax taken over its last dim; ``like_x`` tensors match it in shape and dtype.
-    All contiguous."""
-    row_matrix(op, x)
+    All contiguous. Returns x's (rows, N) (``launch.row_matrix``), for the launcher to walk."""
+    rows_and_n = row_matrix(op, x)
     if not like_x:  # the forward: no dict or tuple built per call (at decode sizes, a share of the call)
         check_contiguous(op, x)
-        return
+        return rows_and_n
     for name, tensor in like_x.items():
         require(tensor.shape == x.shape and tensor.dtype == x.dtype,
                 lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(x.shape)} {x.dtype}")
     check_contiguous(op, x, *like_x.values())
+    return rows_and_n
 
 
 # --- forward -----------------------------------------------------------------------------------------
@@ -143,23 +144,23 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
 
 
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
-    check_softmax_shapes("softmax_forward", x)
+    rows, n = check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, x,
+    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, rows, n, x,
                             one_array=True, cooperative=True)
 
 
-def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, *inputs: torch.Tensor,
+def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, rows: int, n: int, *inputs: torch.Tensor,
                      one_array: bool = False, cooperative: bool = False) -> torch.Tensor:
-    """One output shaped like the (..., N) ``inputs``, walked as (rows, N) matrices by the strategy
+    """One output shaped like the (..., N) ``inputs``, walked as (``rows``, ``n``) matrices
+    (``launch.row_matrix``, which the caller has already asked) by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
     (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
     few long rows split across programs (``split_launcher``, softmax_split.py). ``one_array``: the
     tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers.
     ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row."""
-    rows, n = row_matrix("softmax", inputs[-1])
     out = torch.empty_like(inputs[-1])
-    if out.numel() == 0:
+    if rows == 0:  # no elements: row_matrix counts no rows when N is 0
         return out
     strategy = row_strategy(rows, n, out, one_array, cooperative)
     if strategy == "cooperative":
@@ -224,7 +225,9 @@ def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def launch_softmax_bwd_unchecked(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
-    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, launch_softmax_bwd_split, grad_out, y)
+    rows, n = row_matrix("softmax_backward", y)
+    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, launch_softmax_bwd_split, rows, n,
+                            grad_out, y)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------

@@ -81,11 +81,12 @@ def launch_swish_fwd(x: torch.Tensor, beta: float) -> torch.Tensor:
     check_contiguous("swish_forward", x)
     check_inputs("swish_forward", x)
     y = torch.empty_like(x)
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         return y
-    programs, block, num_warps = elementwise_launch(x.numel())
+    programs, block, num_warps = elementwise_launch(numel)
     with on_device(x):
-        launch(_swish_fwd_kernel, (programs,), x, y, x.numel(), *split_float(beta), BLOCK=block,
+        launch(_swish_fwd_kernel, (programs,), x, y, numel, *split_float(beta), BLOCK=block,
                COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return y
 
@@ -99,11 +100,12 @@ def launch_swish_bwd(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> to
 def launch_swish_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
     """``launch_swish_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
     grad_x = torch.empty_like(x)
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         return grad_x
-    programs, block, num_warps = elementwise_launch(x.numel())
+    programs, block, num_warps = elementwise_launch(numel)
     with on_device(x):
-        launch(_swish_bwd_kernel, (programs,), grad_out, x, grad_x, x.numel(), *split_float(beta), BLOCK=block,
+        launch(_swish_bwd_kernel, (programs,), grad_out, x, grad_x, numel, *split_float(beta), BLOCK=block,
                COMPUTE=compute_dtype(x.dtype), num_warps=num_warps)
     return grad_x
 
