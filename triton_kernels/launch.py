@@ -438,7 +438,7 @@ def launch(kernel, grid, *args, **constants) -> None:
 def _launch_key(kernel, device: int, args, constants: dict) -> tuple:
     # The tensors' part of the key is written inline: most arguments are tensors, and a function call
     # per argument was a quarter of launch's time.
-    return (id(kernel), device, *[getattr(knobs, name) for knobs, name in _OPTION_KNOBS],
+    return (id(kernel), device, *_option_knob_values(triton.knobs),
             *[(arg.dtype, arg.data_ptr() & 15) if isinstance(arg, torch.Tensor)
               else (_INT_KEYS.get(arg) or _int_key(arg)) if type(arg) is int else type(arg) for arg in args],
             *constants.items())
@@ -525,21 +525,25 @@ _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch di
 
 def _hooked(kernel) -> bool:
     """Whether anything asks to see this launch: launch hooks (a profiler's), pre-run hooks, a pipeline
-    inspection hook. Those calls take Triton's own path, which serves them."""
+    inspection hook. Those calls take Triton's own path, which serves them. One expression, no helper
+    per hook: every direct launch asks."""
     runtime = triton.knobs.runtime
-    return (_active_hook(runtime.launch_enter_hook) or _active_hook(runtime.launch_exit_hook)
-            or bool(kernel.pre_run_hooks) or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Triton's default hook is an empty HookChain, which the C launcher would call and which does nothing.
+    return not ((enter is None or type(enter) is _HookChain and not enter.calls)
+                and (leave is None or type(leave) is _HookChain and not leave.calls)
+                and not kernel.pre_run_hooks and getattr(runtime, "add_stages_inspection_hook", None) is None)
 
 
-def _active_hook(hook) -> bool:
-    # Triton's default is an empty HookChain, which the C launcher would call and which does nothing.
-    return hook is not None and not (type(hook) is triton.knobs.HookChain and not hook.calls)
+_HookChain = triton.knobs.HookChain
 
-
-_OPTION_KNOBS = [(triton.knobs.runtime, "debug"), (triton.knobs.compilation, "instrumentation_mode")] + [
-    (triton.knobs.compilation, name) for name in ("fpsan_homomorphic_casts",)
+_OPTION_KNOBS = [("runtime", "debug"), ("compilation", "instrumentation_mode")] + [
+    ("compilation", name) for name in ("fpsan_homomorphic_casts",)
     if hasattr(triton.knobs.compilation, name)]  # Triton 3.9 reads this one as well
-"""The knobs JITFunction.run reads into the options, and so into its key, on every call."""
+"""The knobs JITFunction.run reads into the options, and so into its key, on every call: (group, name)
+in ``triton.knobs``."""
+_option_knob_values = operator.attrgetter(*[f"{group}.{name}" for group, name in _OPTION_KNOBS])
+"""Their values, read in one call (an attrgetter loops in C)."""
 
 
 _INT32 = range(-2**31, 2**31)
