@@ -118,6 +118,15 @@ CooperativePlan cooperative_plan(void (*kernel)(Params...), int64_t rows, int64_
   return {splits, slice_packs, rows_at_once, threads};
 }
 
+// The counters arrive_and_wait counts on, one word per row: the ops allocate them just past the grid's
+// rows x splits partial results (of type S), and each launch zeroes them on its stream first.
+template <typename S>
+unsigned* zeroed_row_counters(S* partials, int64_t rows, int64_t splits, cudaStream_t stream) {
+  auto* counters = reinterpret_cast<unsigned*>(partials + rows * splits);
+  cudaMemsetAsync(counters, 0, rows * sizeof(unsigned), stream);
+  return counters;
+}
+
 // `blocks` blocks of `kernel`, launched cooperatively (all resident at once, or an error).
 template <typename... Params, typename... Args>
 void launch_cooperative(void (*kernel)(Params...), int64_t blocks, int threads, int shared_bytes, cudaStream_t stream,

@@ -356,8 +356,7 @@ void launch_backward(DType dtype, const void* grad_out, const void* x, const voi
     const CooperativePlan& cooperative = plan.cooperative;
     if (cooperative.splits > 0 && vectorise) {
       auto* sums = reinterpret_cast<RowSums<A>*>(partial_dw + plan.partial_rows * n * (kSubtractMean ? 2 : 1));
-      auto* arrivals = reinterpret_cast<unsigned*>(sums + rows * cooperative.splits);
-      cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), s);
+      unsigned* arrivals = zeroed_row_counters(sums, rows, cooperative.splits, s);
       launch_cooperative(layer_norm_backward_cooperative_kernel<T, kSubtractMean>,
                          cooperative.rows_at_once * cooperative.splits, cooperative.threads,
                          static_cast<int>(cooperative.slice_packs * 16 * 2), s, dy, in, w, means, rstds, dx, partial_dw,

@@ -312,8 +312,7 @@ void launch_norm_forward_long_rows(const T* x, const T* weight, const T* bias, T
     const CooperativePlan plan = cooperative_forward_plan<T, kSubtractMean>(rows, n);
     if (plan.splits == splits) {
       auto* statistics = static_cast<Moments<A>*>(partials);
-      auto* arrivals = reinterpret_cast<unsigned*>(statistics + rows * splits);
-      cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), stream);
+      unsigned* arrivals = zeroed_row_counters(statistics, rows, splits, stream);
       launch_cooperative(layer_norm_forward_cooperative_kernel<T, kSubtractMean>, plan.rows_at_once * splits,
                          plan.threads, static_cast<int>(plan.slice_packs * 16), stream, x, weight, bias, y, mean, rstd,
                          statistics, arrivals, rows, n, static_cast<int>(splits), plan.slice_packs, eps);

@@ -356,8 +356,7 @@ void launch_softmax_forward(DType dtype, const void* x, void* y, int64_t rows, i
       const CooperativePlan plan = softmax_cooperative_plan<T>(rows, n);
       if (plan.splits == splits) {  // partials holds rows * (splits + 1) pairs: the last rows count arrivals
         auto* statistics = static_cast<MaxSum<A>*>(partials);
-        auto* arrivals = reinterpret_cast<unsigned*>(statistics + rows * splits);
-        cudaMemsetAsync(arrivals, 0, rows * sizeof(unsigned), s);
+        unsigned* arrivals = zeroed_row_counters(statistics, rows, splits, s);
         launch_cooperative(softmax_forward_cooperative_kernel<T>, plan.rows_at_once * splits, plan.threads,
                            static_cast<int>(plan.slice_packs * 16), s, in, out, statistics, arrivals, rows, n,
                            static_cast<int>(splits), plan.slice_packs);
