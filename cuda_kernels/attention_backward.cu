@@ -29,6 +29,13 @@
 //   float32 / float64: attention_backward_dq_simt_kernel and attention_backward_dk_dv_simt_kernel
 //     (attention_simt.cuh), the same math in two deterministic passes
 //
+// Layouts
+//   q, k, v, out and dout are read where they lie (kernels.h, HeadStrides): q, k, v are usually heads
+//   of the fused q·k·v projection, out and dout rows of (batch, tokens, heads, head_dim). Only each
+//   row's head_dim values are contiguous; every kernel finds its heads' first rows once and steps from
+//   row to row by the row strides. What the backward writes (grad_q, grad_k, grad_v) and its scratch
+//   (delta, the float32 dq sum) are contiguous.
+//
 // The one idea that makes it fast
 //   Recompute instead of store: P would be seq x seq; S costs one more q k^T on the tensor cores,
 //   which are idle anyway while the exp unit and memory work. The key-major loop keeps the two
@@ -134,27 +141,35 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
 
   // Query tiles that see any key of this CTA (none, for keys no query sees: dk = dv = 0), of each query
   // head of the kv head's group in turn. One CTA sums the whole group into its registers in this one
-  // order: dk and dv are deterministic. The pointers below walk from head to head.
+  // order: dk and dv are deterministic. The pointers below walk from head to head: the group's query
+  // heads kv * group .. + group are consecutive heads of one batch (heads is a multiple of group), so
+  // q's and dout's lie shape.q.head and shape.grad_out.head elements apart; dq, lse and delta are
+  // contiguous. The first head's start is found once (of_head's 64-bit divisions are long instruction
+  // sequences on the GPU); within a head, rows lie shape.q.row (grad_out.row, ...) elements apart.
   const int64_t query_begin = visible.first_query(j0) / kQueryTile * kQueryTile, query_end = visible.end_query(j1 - 1);
   const int tiles = query_end > query_begin ? static_cast<int>(ceil_div(query_end - query_begin, kQueryTile)) : 0;
-  const int64_t head_rows = lq * d;  // one query head's q (or dout, or dq) rows
-  q += kv * shape.group * head_rows;
-  grad_out += kv * shape.group * head_rows;
-  dq_accumulator += kv * shape.group * head_rows;
-  lse += kv * shape.group * lq;
-  delta += kv * shape.group * lq;
+  const int64_t first_head = kv * shape.group, dq_head_size = lq * d;  // values of one query head's dq
+  q += shape.q.of_head(first_head, shape.heads);
+  grad_out += shape.grad_out.of_head(first_head, shape.heads);
+  dq_accumulator += first_head * dq_head_size;
+  lse += first_head * lq;
+  delta += first_head * lq;
 
   // Query tile i0 of the head `heads_ahead` heads after the current one into buffer `buffer`.
   const auto load_query_tile = [&](int buffer, int64_t i0, int heads_ahead) {
-    load_tile_async<kQueryTile, kD, kThreads>(q_tiles + buffer * kQueryTile * kPitch, q + heads_ahead * head_rows, i0,
-                                              lq, d);
+    load_tile_async<kQueryTile, kD, kThreads>(q_tiles + buffer * kQueryTile * kPitch, q + heads_ahead * shape.q.head,
+                                              shape.q.row, i0, lq, d);
     load_tile_async<kQueryTile, kD, kThreads>(dout_tiles + buffer * kQueryTile * kPitch,
-                                              grad_out + heads_ahead * head_rows, i0, lq, d);
+                                              grad_out + heads_ahead * shape.grad_out.head, shape.grad_out.row, i0,
+                                              lq, d);
     load_row_values_async<kQueryTile>(lse_tiles + buffer * kQueryTile, lse + heads_ahead * lq, i0, lq);
     load_row_values_async<kQueryTile>(delta_tiles + buffer * kQueryTile, delta + heads_ahead * lq, i0, lq);
   };
-  load_tile_async<kKeys, kD, kThreads>(k_tile, k + kv * lk * d, j0, lk, d);
-  load_tile_async<kKeys, kD, kThreads>(v_tile, v + kv * lk * d, j0, lk, d);
+  // kv counts the kv heads of all batches, heads / group of them a batch.
+  load_tile_async<kKeys, kD, kThreads>(k_tile, k + shape.k.of_head(kv, shape.heads / shape.group), shape.k.row, j0,
+                                       lk, d);
+  load_tile_async<kKeys, kD, kThreads>(v_tile, v + shape.v.of_head(kv, shape.heads / shape.group), shape.v.row, j0,
+                                       lk, d);
   if (tiles > 0) load_query_tile(0, query_begin, 0);
   copy_async_commit();
 
@@ -172,11 +187,12 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
     for (int t = 0; t < tiles; ++t, buffer ^= 1) {
       const int64_t i0 = query_begin + int64_t{t} * kQueryTile;
       // The other buffer was last read before the middle barrier of the previous step. Prefetch the next
-      // tile of this head, or the first of the next head.
-      if (t + 1 < tiles) {
-        load_query_tile(buffer ^ 1, i0 + kQueryTile, 0);
-      } else if (head + 1 < shape.group) {
-        load_query_tile(buffer ^ 1, query_begin, 1);
+      // tile of this head, or the first of the next head, from one call site: each inlined copy of the
+      // loads holds its own address offsets through the loop (tensor_core.cuh, load_tile_async), and
+      // with two, ptxas spilled 56 and 36 bytes at tile widths 128 and 64 (12 and none with one).
+      if (t + 1 < tiles || head + 1 < shape.group) {
+        const bool next_head = t + 1 == tiles;
+        load_query_tile(buffer ^ 1, next_head ? query_begin : i0 + kQueryTile, next_head ? 1 : 0);
       }
       copy_async_commit();
       copy_async_wait<1>();
@@ -218,9 +234,9 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
       add_to_dq<kDqColumns>(dq_accumulator, dq, i0 + dq_rows, dq_column0, lq, d);
       // No barrier here: the next writes to score_grads come after the next step's first barrier.
     }
-    q += head_rows;
-    grad_out += head_rows;
-    dq_accumulator += head_rows;
+    q += shape.q.head;
+    grad_out += shape.grad_out.head;
+    dq_accumulator += dq_head_size;
     lse += lq;
     delta += lq;
   }
@@ -232,9 +248,10 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   stage_accumulators<T, kColumns, kPitch>(k_rows + column0, dk, static_cast<float>(shape.scale));
   stage_accumulators<T, kColumns, kPitch>(v_rows + column0, dv, 1.0f);
   __syncthreads();  // the column parts of a row come from different warps
-  if (column_part == 0) copy_rows_to_global<16, kD>(grad_k + kv * lk * d, k_rows, j0 + key_warp * 16, lk, d);
+  // grad_k and grad_v are contiguous: rows d apart.
+  if (column_part == 0) copy_rows_to_global<16, kD>(grad_k + kv * lk * d, d, k_rows, j0 + key_warp * 16, lk, d);
   if (column_part == Warps::kColumnParts - 1) {
-    copy_rows_to_global<16, kD>(grad_v + kv * lk * d, v_rows, j0 + key_warp * 16, lk, d);
+    copy_rows_to_global<16, kD>(grad_v + kv * lk * d, d, v_rows, j0 + key_warp * 16, lk, d);
   }
 }
 
@@ -270,7 +287,7 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
       constexpr bool kTensorCores = !(std::is_same_v<T, float> || std::is_same_v<T, double>);
       A* dq_accumulator = static_cast<A*>(workspace);
       A* delta = dq_accumulator + (kTensorCores ? rows * d : 0);
-      launch_attention_backward_delta<T, kD>(dy, static_cast<const T*>(out), delta, rows, static_cast<int>(d), s);
+      launch_attention_backward_delta<T, kD>(shape, dy, static_cast<const T*>(out), delta, s);
       if constexpr (kTensorCores) {
         constexpr int kBytes = attention_backward_shared_bytes<T, kD>();
         auto* kernel = attention_backward_tensor_core_kernel<T, kD>;

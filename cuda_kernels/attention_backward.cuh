@@ -23,20 +23,29 @@ struct DeltaRows {
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
 };
 
+// delta[bh * query_length + i] = dot(row i of grad_out's head bh, row i of out's head bh), the rows
+// read where they lie (shape.grad_out, shape.out: strides of 16-byte multiples, so the packs stay aligned).
 template <typename T, int kD>
 __global__ void __launch_bounds__(DeltaRows<T, kD>::kThreads)
-attention_backward_delta_kernel(const T* __restrict__ grad_out, const T* __restrict__ out, Acc<T>* __restrict__ delta,
-                                int64_t rows, int d) {
+attention_backward_delta_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ out,
+                                Acc<T>* __restrict__ delta) {
   using Rows = DeltaRows<T, kD>;
   constexpr int kVec = kVecOf<T>;
+  const int64_t lq = shape.query_length, rows = shape.batch_heads * lq;
+  const int d = static_cast<int>(shape.head_dim);
   const int64_t row = int64_t{blockIdx.x} * Rows::kRowsPerBlock + threadIdx.x / Rows::kThreadsPerRow;
   const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow;
   Acc<T> sum = 0;
   if (row < rows) {  // no early return: the whole warp takes part in the shuffles below
+    // A block's rows may belong to several heads (the grid is one flat range of rows), so each thread
+    // finds where its own row lies: two 64-bit divisions, once, before the row's packs.
+    const int64_t bh = row / lq, i = row % lq;
+    const T* dy_row = grad_out + shape.grad_out.of_head(bh, shape.heads) + i * shape.grad_out.row;
+    const T* y_row = out + shape.out.of_head(bh, shape.heads) + i * shape.out.row;
 #pragma unroll
     for (int pack = part; pack < d / kVec; pack += Rows::kThreadsPerRow) {
-      const Pack<T, kVec> dy = load_pack<T, kVec>(grad_out + row * d + pack * kVec);
-      const Pack<T, kVec> y = load_pack<T, kVec>(out + row * d + pack * kVec);
+      const Pack<T, kVec> dy = load_pack<T, kVec>(dy_row + pack * kVec);
+      const Pack<T, kVec> y = load_pack<T, kVec>(y_row + pack * kVec);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) sum += to_acc(dy.val[j]) * to_acc(y.val[j]);
     }
@@ -112,13 +121,15 @@ __global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumu
   store_pack<T, 4>(grad_q + i, rounded);
 }
 
-// delta (rows) for a dout, out of rows of d <= kD values.
+// delta (batch_heads * query_length values, contiguous; row bh * query_length + i for query i of head bh)
+// from grad_out and out laid out as shape.grad_out and shape.out say, head_dim <= kD.
 template <typename T, int kD>
-void launch_attention_backward_delta(const T* grad_out, const T* out, Acc<T>* delta, int64_t rows, int d,
+void launch_attention_backward_delta(const AttentionShape& shape, const T* grad_out, const T* out, Acc<T>* delta,
                                      cudaStream_t stream) {
   using Rows = DeltaRows<T, kD>;
+  const int64_t rows = shape.batch_heads * shape.query_length;
   attention_backward_delta_kernel<T, kD><<<static_cast<unsigned>(ceil_div(rows, Rows::kRowsPerBlock)), Rows::kThreads,
-                                           0, stream>>>(grad_out, out, delta, rows, d);
+                                           0, stream>>>(shape, grad_out, out, delta);
 }
 
 // grad_q (numel values) = scale * dq_accumulator.

@@ -39,7 +39,8 @@
 //
 // Limits
 //   float16 / bfloat16; head_dim a multiple of 8 up to 128 (tile width 64 for d <= 64, else 128); any
-//   lengths below 2^31; q, k, v, out, grad_out 16-byte aligned. Built only when nvcc targets sm_90a
+//   lengths below 2^31; q, k, v, out, grad_out strided as kernels.h's HeadStrides allow, every stride a
+//   multiple of 16 bytes (attention_ops.cpp makes sure). Built only when nvcc targets sm_90a
 //   (cuda_kernels/ops.py adds it, and -DKERNEL_LADDER_SM90A, when it sees an H100-class GPU); runs only on
 //   compute capability 9.0. dq is summed in a nondeterministic order (atomics); dk and dv are not.
 //
@@ -96,6 +97,8 @@ struct BackwardSharedLayout {
 struct BackwardBlock {
   int64_t kv, key0, query_begin;
   int tiles;
+  TileHead kv_head;  // kv as TMA's coordinates, worked out before the warps specialise (the producer's few
+                     // registers hold no 64-bit division)
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -121,9 +124,11 @@ __device__ __forceinline__ void load_backward_tiles(const CUtensorMap* q_map, co
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   if (warp == 0 && lane == 0) {
     mbarrier_expect_bytes(&barriers.keys_full, 2 * Layout::kKeyTileBytes);
-    const int key0 = static_cast<int>(block.key0), kv = static_cast<int>(block.kv);
-    tma_load_tile<Layout::kBoxes>(tiles + Layout::kK, Layout::kKeyBoxBytes, k_map, key0, kv, &barriers.keys_full);
-    tma_load_tile<Layout::kBoxes>(tiles + Layout::kV, Layout::kKeyBoxBytes, v_map, key0, kv, &barriers.keys_full);
+    const int key0 = static_cast<int>(block.key0);
+    tma_load_tile<Layout::kBoxes>(tiles + Layout::kK, Layout::kKeyBoxBytes, k_map, key0, block.kv_head,
+                                  &barriers.keys_full);
+    tma_load_tile<Layout::kBoxes>(tiles + Layout::kV, Layout::kKeyBoxBytes, v_map, key0, block.kv_head,
+                                  &barriers.keys_full);
   }
   if (warp > 1 || (warp == 0 && lane > 0)) return;
   const int64_t lq = shape.query_length;
@@ -137,11 +142,14 @@ __device__ __forceinline__ void load_backward_tiles(const CUtensorMap* q_map, co
       mbarrier_wait(&barriers.empty[stage], (n / kBackwardStages + 1) % 2);
       if (warp == 0) {
         mbarrier_expect_bytes(&barriers.full[stage], 2 * Layout::kQueryTileBytes);
-        const int offset = stage * Layout::kQueryTileBytes, row = static_cast<int>(i0), head = static_cast<int>(bh);
-        tma_load_tile<Layout::kBoxes>(tiles + Layout::kQ + offset, Layout::kQueryBoxBytes, q_map, row, head,
+        const int offset = stage * Layout::kQueryTileBytes, row = static_cast<int>(i0);
+        // Query head `head` of the kv head's group: the group's heads are consecutive heads of one batch.
+        const TileHead query_head{block.kv_head.head * static_cast<int>(shape.group) + static_cast<int>(head),
+                                  block.kv_head.batch};
+        tma_load_tile<Layout::kBoxes>(tiles + Layout::kQ + offset, Layout::kQueryBoxBytes, q_map, row, query_head,
                                       &barriers.full[stage]);
-        tma_load_tile<Layout::kBoxes>(tiles + Layout::kDout + offset, Layout::kQueryBoxBytes, dout_map, row, head,
-                                      &barriers.full[stage]);
+        tma_load_tile<Layout::kBoxes>(tiles + Layout::kDout + offset, Layout::kQueryBoxBytes, dout_map, row,
+                                      query_head, &barriers.full[stage]);
       } else {
         // Rows past the last query get 0: their pairs are masked, and a finite lse keeps them from NaN.
 #pragma unroll
@@ -302,10 +310,9 @@ __device__ __forceinline__ void attend_backward(const AttentionShape& shape, con
   fence_shared_for_tma();
   named_barrier_sync(kFirstStoreBarrier + consumer, kWarpgroupThreads);
   if (threadIdx.x % kWarpgroupThreads == 0 && keys0 < shape.key_length) {
-    tma_store_tile<Layout::kBoxes>(dk_map, k_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0),
-                                   static_cast<int>(block.kv));
-    tma_store_tile<Layout::kBoxes>(dv_map, v_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0),
-                                   static_cast<int>(block.kv));
+    const TileHead kv{static_cast<int>(block.kv), 0};  // grad_k and grad_v: one batch of every kv head
+    tma_store_tile<Layout::kBoxes>(dk_map, k_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), kv);
+    tma_store_tile<Layout::kBoxes>(dv_map, v_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), kv);
     tma_store_wait_for_reads();
   }
 }
@@ -334,6 +341,7 @@ attention_backward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, cons
   BackwardBlock block;
   block.kv = blockIdx.x / key_blocks;
   block.key0 = blockIdx.x % key_blocks * kBackwardKeys;
+  block.kv_head = tile_head(block.kv, shape.heads / shape.group);
   const int64_t key_end = min(block.key0 + kBackwardKeys, lk);
   // Query tiles that see any key of the block (none, for keys no query sees: dk = dv = 0).
   block.query_begin = visible.first_query(block.key0) / kBackwardQueries * kBackwardQueries;
@@ -374,8 +382,8 @@ void launch_hopper_backward(const AttentionShape& shape, const CUtensorMap (&map
   const int64_t rows = shape.batch_heads * shape.query_length, d = shape.head_dim;
   float* dq_accumulator = workspace;  // then delta: attention_backward_workspace_size's layout
   float* delta = dq_accumulator + rows * d;
-  launch_attention_backward_delta<T, kD>(static_cast<const T*>(grad_out), static_cast<const T*>(out), delta, rows,
-                                         static_cast<int>(d), stream);
+  launch_attention_backward_delta<T, kD>(shape, static_cast<const T*>(grad_out), static_cast<const T*>(out), delta,
+                                         stream);
   cudaMemsetAsync(dq_accumulator, 0, rows * d * sizeof(float), stream);
   constexpr int kBytes = BackwardSharedLayout<kD>::kBytes;
   auto* kernel = attention_backward_hopper_kernel<T, kD>;
@@ -393,19 +401,20 @@ void launch_hopper_backward(const AttentionShape& shape, const CUtensorMap (&map
 bool launch_attention_backward_hopper(DType dtype, const AttentionShape& shape, const void* grad_out, const void* q,
                                       const void* k, const void* v, const void* out, const void* lse, void* grad_q,
                                       void* grad_k, void* grad_v, void* workspace, void* stream) {
-  const int64_t kv_heads = shape.batch_heads / shape.group, d = shape.head_dim;
+  const int64_t batch = shape.batch_heads / shape.heads, kv_heads = shape.heads / shape.group, d = shape.head_dim;
+  const int64_t lq = shape.query_length, lk = shape.key_length;
   // TMA's coordinates, the kernel's key indices and the grid are 32-bit.
-  const bool fits = shape.query_length < INT_MAX && shape.key_length < INT_MAX &&
-                    kv_heads * ceil_div(shape.key_length, kBackwardKeys) < INT_MAX;
+  const bool fits = lq < INT_MAX && lk < INT_MAX && batch * kv_heads * ceil_div(lk, kBackwardKeys) < INT_MAX;
   if (!fits || !hopper_attention_applies(dtype, d, 128)) return false;
+  const HeadStrides key_grads = contiguous_head_strides(batch * kv_heads, lk, d);  // grad_k and grad_v
   CUtensorMap maps[6];  // q, k, v, dout, dk, dv
-  if (!encode_swizzled_tensor_map(&maps[0], dtype, q, shape.batch_heads, shape.query_length, d, kBackwardQueries) ||
-      !encode_swizzled_tensor_map(&maps[1], dtype, k, kv_heads, shape.key_length, d, kBackwardKeys) ||
-      !encode_swizzled_tensor_map(&maps[2], dtype, v, kv_heads, shape.key_length, d, kBackwardKeys) ||
-      !encode_swizzled_tensor_map(&maps[3], dtype, grad_out, shape.batch_heads, shape.query_length, d,
+  if (!encode_swizzled_tensor_map(&maps[0], dtype, q, batch, shape.heads, lq, d, shape.q, kBackwardQueries) ||
+      !encode_swizzled_tensor_map(&maps[1], dtype, k, batch, kv_heads, lk, d, shape.k, kBackwardKeys) ||
+      !encode_swizzled_tensor_map(&maps[2], dtype, v, batch, kv_heads, lk, d, shape.v, kBackwardKeys) ||
+      !encode_swizzled_tensor_map(&maps[3], dtype, grad_out, batch, shape.heads, lq, d, shape.grad_out,
                                   kBackwardQueries) ||
-      !encode_swizzled_tensor_map(&maps[4], dtype, grad_k, kv_heads, shape.key_length, d, kConsumerKeys) ||
-      !encode_swizzled_tensor_map(&maps[5], dtype, grad_v, kv_heads, shape.key_length, d, kConsumerKeys)) {
+      !encode_swizzled_tensor_map(&maps[4], dtype, grad_k, 1, batch * kv_heads, lk, d, key_grads, kConsumerKeys) ||
+      !encode_swizzled_tensor_map(&maps[5], dtype, grad_v, 1, batch * kv_heads, lk, d, key_grads, kConsumerKeys)) {
     return false;
   }
   const auto s = static_cast<cudaStream_t>(stream);

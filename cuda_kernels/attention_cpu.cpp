@@ -18,6 +18,12 @@
 //   ranges (attention_mask.h), so invisible keys are never visited. Inner loops over head_dim are
 //   `omp simd` dot products and axpys; exp is the vectorisable one of cpu_common.h.
 //
+// Layout
+//   q, k, v, out and dout are read (and out written) where they lie, as their HeadStrides say
+//   (kernels.h): usually the heads of the fused q·k·v projection, and out in (batch, tokens, heads,
+//   head_dim) order. Only each row's head_dim values are contiguous, so a task finds its head's first
+//   row once and steps from row to row by `row`. lse, delta, dq, dk and dv are contiguous.
+//
 // Limits
 //   float32 (accumulating in float32, as the CUDA kernels do) and float64; any head_dim up to 256 (the
 //   loops run over the row as it is; the binding admits multiples of 8, as the CUDA kernels do); k and
@@ -58,16 +64,17 @@ inline void axpy(T* __restrict y, T a, const T* __restrict x, int64_t d) {
 template <typename T>
 void attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, T* out, T* lse) {
   const VisibleKeys visible(shape);
-  const int64_t lq = shape.query_length, lk = shape.key_length, d = shape.head_dim;
+  const int64_t lq = shape.query_length, d = shape.head_dim, kv_heads = shape.heads / shape.group;
   const T scale = static_cast<T>(shape.scale);
   const int64_t query_tiles = (lq + kQueryTile - 1) / kQueryTile;
 #pragma omp parallel for schedule(dynamic)
   for (int64_t task = 0; task < shape.batch_heads * query_tiles; ++task) {
     const int64_t bh = task / query_tiles, i0 = (task % query_tiles) * kQueryTile;
     const int64_t i1 = std::min(i0 + kQueryTile, lq);
-    const T* q_bh = q + bh * lq * d;
-    const T* k_bh = k + bh / shape.group * lk * d;  // the kv head of this query head's group
-    const T* v_bh = v + bh / shape.group * lk * d;
+    const T* q_bh = q + shape.q.of_head(bh, shape.heads);
+    const T* k_bh = k + shape.k.of_head(bh / shape.group, kv_heads);  // the kv head of this query head's group
+    const T* v_bh = v + shape.v.of_head(bh / shape.group, kv_heads);
+    T* out_bh = out + shape.out.of_head(bh, shape.heads);
     T acc[kQueryTile][kMaxHeadDim] = {};
     T row_max[kQueryTile], row_sum[kQueryTile] = {};
     std::fill(row_max, row_max + kQueryTile, -std::numeric_limits<T>::infinity());
@@ -77,10 +84,10 @@ void attention_forward(const AttentionShape& shape, const T* q, const T* k, cons
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t first = std::max(j0, visible.first_key(i)), end = std::min(j0 + kKeyTile, visible.end_key(i));
         if (first >= end) continue;
-        const T* q_row = q_bh + i * d;
+        const T* q_row = q_bh + i * shape.q.row;
         T tile_max = row_max[i - i0];
         for (int64_t j = first; j < end; ++j) {
-          scores[j - first] = dot(q_row, k_bh + j * d, d) * scale;
+          scores[j - first] = dot(q_row, k_bh + j * shape.k.row, d) * scale;
           tile_max = std::max(tile_max, scores[j - first]);
         }
         // The online softmax: what was summed against the old max is rescaled to the new one.
@@ -93,14 +100,15 @@ void attention_forward(const AttentionShape& shape, const T* q, const T* k, cons
           scores[j] = exp_branch_free(scores[j] - tile_max);
           tile_sum += scores[j];
         }
-        for (int64_t j = first; j < end; ++j) axpy(acc_row, scores[j - first], v_bh + j * d, d);
+        for (int64_t j = first; j < end; ++j) axpy(acc_row, scores[j - first], v_bh + j * shape.v.row, d);
         row_sum[i - i0] = row_sum[i - i0] * rescale + tile_sum;
         row_max[i - i0] = tile_max;
       }
     }
     for (int64_t i = i0; i < i1; ++i) {
       const T inverse_sum = T(1) / row_sum[i - i0];
-      for (int64_t c = 0; c < d; ++c) out[(bh * lq + i) * d + c] = acc[i - i0][c] * inverse_sum;
+      T* out_row = out_bh + i * shape.out.row;
+      for (int64_t c = 0; c < d; ++c) out_row[c] = acc[i - i0][c] * inverse_sum;
       lse[bh * lq + i] = row_max[i - i0] + std::log(row_sum[i - i0]);
     }
   }
@@ -125,10 +133,15 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
                         const T* lse, T* dq, T* dk, T* dv) {
   const VisibleKeys visible(shape);
   const int64_t lq = shape.query_length, lk = shape.key_length, d = shape.head_dim, bhs = shape.batch_heads;
+  const int64_t heads = shape.heads, group = shape.group, kv_heads = heads / group;
   const T scale = static_cast<T>(shape.scale);
   std::vector<T> delta(static_cast<size_t>(bhs * lq));
 #pragma omp parallel for schedule(static) if (bhs * lq * d >= kMinParallelElements)
-  for (int64_t row = 0; row < bhs * lq; ++row) delta[row] = dot(dout + row * d, out + row * d, d);
+  for (int64_t row = 0; row < bhs * lq; ++row) {
+    const int64_t bh = row / lq, i = row % lq;
+    delta[row] = dot(dout + shape.grad_out.of_head(bh, heads) + i * shape.grad_out.row,
+                     out + shape.out.of_head(bh, heads) + i * shape.out.row, d);
+  }
 
   // Pass 1: dq, one task per (batch*head, query tile), streaming the key tiles it sees.
   const int64_t query_tiles = (lq + kQueryTile - 1) / kQueryTile;
@@ -136,17 +149,23 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
   for (int64_t task = 0; task < bhs * query_tiles; ++task) {
     const int64_t bh = task / query_tiles, i0 = (task % query_tiles) * kQueryTile;
     const int64_t i1 = std::min(i0 + kQueryTile, lq);
+    const T* q_bh = q + shape.q.of_head(bh, heads);
+    const T* dout_bh = dout + shape.grad_out.of_head(bh, heads);
+    const T* k_bh = k + shape.k.of_head(bh / group, kv_heads);  // the kv head of this query head's group
+    const T* v_bh = v + shape.v.of_head(bh / group, kv_heads);
     std::fill(dq + (bh * lq + i0) * d, dq + (bh * lq + i1) * d, T(0));
     for (int64_t j0 = visible.first_key(i0) / kKeyTile * kKeyTile; j0 < visible.end_key(i1 - 1); j0 += kKeyTile) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = bh * lq + i;
+        const int64_t row = bh * lq + i;  // of the contiguous lse, delta and dq
         const int64_t end = std::min(j0 + kKeyTile, visible.end_key(i));
+        const T* q_row = q_bh + i * shape.q.row;
+        const T* dout_row = dout_bh + i * shape.grad_out.row;
         T* dq_row = dq + row * d;
         for (int64_t j = std::max(j0, visible.first_key(i)); j < end; ++j) {
-          const int64_t key = bh / shape.group * lk + j;
-          const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
-                                                  delta[row], scale, d);
-          axpy(dq_row, g.ds * scale, k + key * d, d);
+          const T* k_row = k_bh + j * shape.k.row;
+          const PairGradient<T> g =
+              pair_gradient(q_row, dout_row, k_row, v_bh + j * shape.v.row, lse[row], delta[row], scale, d);
+          axpy(dq_row, g.ds * scale, k_row, d);
         }
       }
     }
@@ -154,25 +173,32 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
 
   // Pass 2: dk and dv, one task per (batch*kv head, key tile), streaming the query tiles that see it,
   // of each query head of its group in turn (one order: deterministic sums over the group).
-  const int64_t key_tiles = (lk + kKeyTile - 1) / kKeyTile, group = shape.group;
+  const int64_t key_tiles = (lk + kKeyTile - 1) / kKeyTile;
 #pragma omp parallel for schedule(dynamic)
   for (int64_t task = 0; task < bhs / group * key_tiles; ++task) {
     const int64_t kv = task / key_tiles, j0 = (task % key_tiles) * kKeyTile;
     const int64_t j1 = std::min(j0 + kKeyTile, lk);
+    const T* k_kv = k + shape.k.of_head(kv, kv_heads);
+    const T* v_kv = v + shape.v.of_head(kv, kv_heads);
     std::fill(dk + (kv * lk + j0) * d, dk + (kv * lk + j1) * d, T(0));
     std::fill(dv + (kv * lk + j0) * d, dv + (kv * lk + j1) * d, T(0));
     for (int64_t bh = kv * group; bh < (kv + 1) * group; ++bh) {
+      const T* q_bh = q + shape.q.of_head(bh, heads);
+      const T* dout_bh = dout + shape.grad_out.of_head(bh, heads);
       for (int64_t i0 = visible.first_query(j0) / kQueryTile * kQueryTile; i0 < visible.end_query(j1 - 1);
            i0 += kQueryTile) {
         for (int64_t j = j0; j < j1; ++j) {
-          const int64_t key = kv * lk + j;
+          const int64_t key = kv * lk + j;  // of the contiguous dk and dv
+          const T* k_row = k_kv + j * shape.k.row;
+          const T* v_row = v_kv + j * shape.v.row;
           const int64_t end = std::min(i0 + kQueryTile, visible.end_query(j));
           for (int64_t i = std::max(i0, visible.first_query(j)); i < end; ++i) {
             const int64_t row = bh * lq + i;
-            const PairGradient<T> g = pair_gradient(q + row * d, dout + row * d, k + key * d, v + key * d, lse[row],
-                                                    delta[row], scale, d);
-            axpy(dv + key * d, g.p, dout + row * d, d);
-            axpy(dk + key * d, g.ds * scale, q + row * d, d);
+            const T* q_row = q_bh + i * shape.q.row;
+            const T* dout_row = dout_bh + i * shape.grad_out.row;
+            const PairGradient<T> g = pair_gradient(q_row, dout_row, k_row, v_row, lse[row], delta[row], scale, d);
+            axpy(dv + key * d, g.p, dout_row, d);
+            axpy(dk + key * d, g.ds * scale, q_row, d);
           }
         }
       }

@@ -35,11 +35,16 @@
 //   kD is a tile width (common.cuh: dispatch_attention_tile): a head dim d <= kD runs on the smallest
 //   tile that holds it, its rows zero-filled past d on the way into shared memory and stored only up
 //   to d (tensor_core.cuh). Grouped-query attention: query head bh reads kv head bh / group.
+//   q, k, v are read and out is written where they lie (kernels.h, HeadStrides): q, k, v are usually
+//   heads of the fused q·k·v projection, out goes in the (batch, tokens, heads, head_dim) order the output
+//   projection reads, so neither side of the kernel copies a tensor. Only each row's head_dim values need
+//   be contiguous: a CTA finds its heads' first rows once and steps from row to row by the row strides.
 //
 // Limits
 //   head_dim a multiple of 8 up to 256 (tile widths 16, 32, 64, 96, 128, 192, 256); any lengths, Lq <= Lk
-//   when causal; (batch * heads) * ceil(Lq / 64) < 2^31 CTAs. q, k, v, out 16-byte aligned (ops.cpp checks). lse in float32
-//   (float64 for float64 inputs).
+//   when causal; (batch * heads) * ceil(Lq / 64) < 2^31 CTAs. Rows of q, k, v, out 16-byte aligned
+//   (attention_ops.cpp copies an operand whose rows are not). lse contiguous, in float32 (float64 for
+//   float64 inputs).
 //
 // Check
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/attention_forward.cu -o /tmp/attention_forward.o
@@ -146,9 +151,13 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   const int64_t bh = blockIdx.x / query_tiles;
   const int64_t i0 = (query_tiles - 1 - blockIdx.x % query_tiles) * kQueries;
   const int64_t i1 = min(i0 + kQueries, lq);
-  q += bh * lq * d;
-  k += bh / shape.group * lk * d;  // the kv head of this query head's group
-  v += bh / shape.group * lk * d;
+  // Where this CTA's heads start (kernels.h, HeadStrides), found once: of_head's 64-bit divisions are long
+  // instruction sequences on the GPU. out's is found where it is written, so that the key loop holds no
+  // pointer for it. Within a head, rows lie shape.q.row (k.row, ...) elements apart.
+  const int64_t kv = bh / shape.group;  // the kv head of this query head's group (of heads / group a batch)
+  q += shape.q.of_head(bh, shape.heads);
+  k += shape.k.of_head(kv, shape.heads / shape.group);
+  v += shape.v.of_head(kv, shape.heads / shape.group);
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row0 = i0 + warp * 16 + lane / 4;  // the thread's rows: row0 and row0 + 8
 
@@ -156,10 +165,10 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   const int64_t key_begin = visible.first_key(i0) / kKeyTile * kKeyTile, key_end = visible.end_key(i1 - 1);
   const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kKeyTile));
 
-  load_tile_async<kQueries, kD, kThreads>(q_tile, q, i0, lq, d);
+  load_tile_async<kQueries, kD, kThreads>(q_tile, q, shape.q.row, i0, lq, d);
   copy_async_commit();
-  load_tile_async<kKeyTile, kD, kThreads>(k_tiles, k, key_begin, lk, d);
-  load_tile_async<kKeyTile, kD, kThreads>(v_tiles, v, key_begin, lk, d);
+  load_tile_async<kKeyTile, kD, kThreads>(k_tiles, k, shape.k.row, key_begin, lk, d);
+  load_tile_async<kKeyTile, kD, kThreads>(v_tiles, v, shape.v.row, key_begin, lk, d);
   copy_async_commit();
   copy_async_wait<1>();  // q has landed (the first K, V tile may still be in flight)
   __syncthreads();
@@ -176,8 +185,10 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   for (int t = 0; t < tiles; ++t) {
     const int64_t key0 = key_begin + int64_t{t} * kKeyTile;
     if (t + 1 < tiles) {  // prefetch tile t + 1 into the other buffer, freed by the barrier that ended t - 1
-      load_tile_async<kKeyTile, kD, kThreads>(k_tiles + (t + 1) % 2 * kKeyTile * kPitch, k, key0 + kKeyTile, lk, d);
-      load_tile_async<kKeyTile, kD, kThreads>(v_tiles + (t + 1) % 2 * kKeyTile * kPitch, v, key0 + kKeyTile, lk, d);
+      load_tile_async<kKeyTile, kD, kThreads>(k_tiles + (t + 1) % 2 * kKeyTile * kPitch, k, shape.k.row,
+                                              key0 + kKeyTile, lk, d);
+      load_tile_async<kKeyTile, kD, kThreads>(v_tiles + (t + 1) % 2 * kKeyTile * kPitch, v, shape.v.row,
+                                              key0 + kKeyTile, lk, d);
     }
     copy_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile t
     copy_async_wait<1>();
@@ -212,7 +223,8 @@ attention_forward_tensor_core_kernel(AttentionShape shape, const T* __restrict__
   T* warp_rows = q_tile + warp * 16 * kPitch;
   stage_accumulators<T, kD>(warp_rows, o, 1.0f);
   __syncwarp();
-  copy_rows_to_global<16, kD>(out + bh * lq * d, warp_rows, i0 + warp * 16, lq, d);
+  copy_rows_to_global<16, kD>(out + shape.out.of_head(bh, shape.heads), shape.out.row, warp_rows, i0 + warp * 16,
+                              lq, d);
 }
 
 // --- launcher ------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@
 //
 // Limits
 //   float16 / bfloat16; head_dim a multiple of 8 up to 256; any lengths below 2^31 (TMA's coordinates are
-//   32-bit); q, k, v, out 16-byte aligned (ops.cpp checks). Built only when nvcc targets sm_90a
+//   32-bit); q, k, v, out strided as kernels.h's HeadStrides allow, every stride a multiple of 16 bytes
+//   (attention_ops.cpp makes sure). Built only when nvcc targets sm_90a
 //   (cuda_kernels/ops.py adds it, and -DKERNEL_LADDER_SM90A, when it sees an H100-class GPU); runs only
 //   on compute capability 9.0.
 //
@@ -109,7 +110,7 @@ constexpr int kFirstEpilogueBarrier = 3;
 // box, also where TMA zero-fills rows past the last key.
 template <int kD>
 __device__ __forceinline__ void load_key_tile(const CUtensorMap* map, unsigned char* stages, uint64_t* full,
-                                              uint64_t* empty, int t, int key_begin, int kv_head) {
+                                              uint64_t* empty, int t, int key_begin, TileHead kv_head) {
   using Tile = HopperTile<kD>;
   const int stage = t % kHopperStages;
   mbarrier_wait(&empty[stage], (t / kHopperStages + 1) % 2);
@@ -122,13 +123,13 @@ __device__ __forceinline__ void load_key_tile(const CUtensorMap* map, unsigned c
 // since a consumer multiplies q K(j + 1)^T before P(j) V(j).
 template <int kD>
 __device__ __forceinline__ void load_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
-                                           unsigned char* tiles, HopperBarriers& barriers, int query0, int bh,
-                                           int kv_head, int key_begin, int key_tiles) {
+                                           unsigned char* tiles, HopperBarriers& barriers, int query0, TileHead head,
+                                           TileHead kv_head, int key_begin, int key_tiles) {
   using Tile = HopperTile<kD>;
   prefetch_tensor_map(k_map);
   prefetch_tensor_map(v_map);
   mbarrier_expect_bytes(&barriers.q_full, Tile::kQueryTileBytes);
-  tma_load_tile<Tile::kBoxes>(tiles + Tile::kQ, kQueryBoxBytes, q_map, query0, bh, &barriers.q_full);
+  tma_load_tile<Tile::kBoxes>(tiles + Tile::kQ, kQueryBoxBytes, q_map, query0, head, &barriers.q_full);
   for (int t = 0; t <= key_tiles; ++t) {
     if (t < key_tiles) {
       load_key_tile<kD>(k_map, tiles + Tile::kK, barriers.k_full, barriers.k_empty, t, key_begin, kv_head);
@@ -201,7 +202,7 @@ __device__ __forceinline__ void online_softmax_of_tile(float (&s)[kKeys / 8][4],
 template <typename T, int kD>
 __device__ __forceinline__ void store_rows(float (&o)[kD / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                            unsigned char* q_rows, const CUtensorMap* out_map, float* lse, int64_t bh,
-                                           int64_t rows0, int64_t query_length, int consumer) {
+                                           TileHead head, int64_t rows0, int64_t query_length, int consumer) {
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize % 4, lane = static_cast<int>(threadIdx.x) % kWarpSize;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -223,7 +224,7 @@ __device__ __forceinline__ void store_rows(float (&o)[kD / 8][4], float (&row_ma
   named_barrier_sync(kFirstEpilogueBarrier + consumer, kWarpgroupThreads);
   if (threadIdx.x % kWarpgroupThreads == 0 && rows0 < query_length) {
     tma_store_tile<HopperTile<kD>::kBoxes>(out_map, q_rows, kQueryBoxBytes, static_cast<int>(rows0),
-                                           static_cast<int>(bh));
+                                           head);
     tma_store_wait_for_reads();
   }
 }
@@ -334,7 +335,8 @@ __device__ __forceinline__ void attend(const AttentionShape& shape, const CUtens
   wgmma_wait<0>();
   fence_registers(o);
   release(&barriers.v_empty[last]);
-  store_rows<T, kD>(o, row_max, row_sum, q_rows, out_map, lse, bh, rows0, shape.query_length, consumer);
+  store_rows<T, kD>(o, row_max, row_sum, q_rows, out_map, lse, bh, tile_head(bh, shape.heads), rows0,
+                    shape.query_length, consumer);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -377,8 +379,8 @@ attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, const
   run_warp_specialised(
       [&] {
         if (threadIdx.x == 0) {
-          load_tiles<kD>(&q_map, &k_map, &v_map, tiles, barriers, static_cast<int>(i0), static_cast<int>(bh),
-                         static_cast<int>(bh / shape.group), key_begin, key_tiles);
+          load_tiles<kD>(&q_map, &k_map, &v_map, tiles, barriers, static_cast<int>(i0), tile_head(bh, shape.heads),
+                         tile_head(bh / shape.group, shape.heads / shape.group), key_begin, key_tiles);
         }
       },
       [&](int consumer) {
@@ -400,13 +402,13 @@ bool launch_hopper_kernel(const AttentionShape& shape, const void* q, const void
                           void* lse, cudaStream_t stream) {
   using Tile = HopperTile<kD>;
   const DType dtype = std::is_same_v<T, __half> ? DType::Float16 : DType::BFloat16;
-  const int64_t kv_heads = shape.batch_heads / shape.group, d = shape.head_dim;
+  const int64_t batch = shape.batch_heads / shape.heads, kv_heads = shape.heads / shape.group, d = shape.head_dim;
+  const int64_t lq = shape.query_length, lk = shape.key_length;
   CUtensorMap maps[4];  // q, k, v, out
-  if (!encode_swizzled_tensor_map(&maps[0], dtype, q, shape.batch_heads, shape.query_length, d, kHopperQueries) ||
-      !encode_swizzled_tensor_map(&maps[1], dtype, k, kv_heads, shape.key_length, d, Tile::kKeys) ||
-      !encode_swizzled_tensor_map(&maps[2], dtype, v, kv_heads, shape.key_length, d, Tile::kKeys) ||
-      !encode_swizzled_tensor_map(&maps[3], dtype, out, shape.batch_heads, shape.query_length, d,
-                                  kWarpgroupQueries)) {
+  if (!encode_swizzled_tensor_map(&maps[0], dtype, q, batch, shape.heads, lq, d, shape.q, kHopperQueries) ||
+      !encode_swizzled_tensor_map(&maps[1], dtype, k, batch, kv_heads, lk, d, shape.k, Tile::kKeys) ||
+      !encode_swizzled_tensor_map(&maps[2], dtype, v, batch, kv_heads, lk, d, shape.v, Tile::kKeys) ||
+      !encode_swizzled_tensor_map(&maps[3], dtype, out, batch, shape.heads, lq, d, shape.out, kWarpgroupQueries)) {
     return false;
   }
   auto* kernel = attention_forward_hopper_kernel<T, kD>;

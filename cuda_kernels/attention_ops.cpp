@@ -59,9 +59,8 @@ void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, c
                     ") looks back from each query, so it needs causal=True");
 }
 
-// The CUDA kernels copy rows in 16-byte pieces. A tensor from PyTorch's allocator always allows it; only
-// a view that starts at an odd offset into its storage does not. (Checked on the contiguous tensors,
-// before the launch: a strided input's copy is aligned.)
+// The decode kernel writes the caches in place, in 16-byte pieces: they cannot be copied to fix their
+// alignment, so a cache that is a view starting at an odd offset into its storage is refused.
 void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK_VALUE(!t->is_cuda() || reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, "cuda_kernels::", op,
@@ -69,9 +68,55 @@ void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> t
   }
 }
 
-AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window, double scale) {
+// Whether the kernels can read a (batch, heads, rows, head_dim) operand where it lies (kernels.h,
+// HeadStrides): its head_dim values are contiguous and, on the GPU, every row starts 16 bytes after a
+// multiple of 16 (the kernels copy rows in 16-byte pieces, TMA included). The heads of a fused q·k·v
+// projection qualify; an odd view does not, and is copied once, on purpose (`readable`). A dim of size 1
+// is never stepped along, so its stride does not count.
+bool readable_where_it_lies(const at::Tensor& t) {
+  if (t.size(3) > 1 && t.stride(3) != 1) return false;
+  if (!t.is_cuda()) return true;
+  const int64_t step = 16 / static_cast<int64_t>(t.element_size());  // elements in 16 bytes
+  for (int64_t dim = 0; dim < 3; ++dim) {
+    if (t.size(dim) > 1 && t.stride(dim) % step != 0) return false;
+  }
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+at::Tensor readable(const at::Tensor& t) { return readable_where_it_lies(t) ? t : t.contiguous(); }
+
+// The autograd forward's `readable`: a copy it makes is saved for the backward, so an odd view is copied
+// once, not again there. A tensor of symbolic shape (torch.compile tracing) has no address to check yet
+// and goes on as it is: the kernels' wrappers decide on the real tensor.
+at::Tensor readable_once(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ? t : readable(t);
+}
+
+// The strides of a readable operand. A dim of size 1 gets its contiguous stride, which no kernel steps
+// along but TMA checks (a multiple of 16 bytes).
+HeadStrides head_strides(const at::Tensor& t) {
+  const int64_t row = t.size(2) > 1 ? t.stride(2) : t.size(3);
+  const int64_t head = t.size(1) > 1 ? t.stride(1) : t.size(2) * row;
+  const int64_t batch = t.size(0) > 1 ? t.stride(0) : t.size(1) * head;
+  return HeadStrides{batch, head, row};
+}
+
+// The forward's output (batch, heads, query_length, head_dim), laid out as (batch, query_length, heads,
+// head_dim): the order in which GPT's output projection reads the heads back as one row of n_embd per
+// token, so that `out.transpose(1, 2).reshape(batch, tokens, n_embd)` is a view, not a copy. (The
+// layout depends on nothing but the shape, so the Meta kernel gives torch.compile the same strides.)
+at::Tensor empty_attention_output(const at::Tensor& q) {
+  return at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1), q.sym_size(3)}, q.options()).transpose(1, 2);
+}
+
+// grad_out and out are forward-only placeholders (the forward's strides) where absent.
+AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& grad_out, bool causal, int64_t window, double scale) {
   const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
-  return AttentionShape{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), group, causal, window, scale};
+  return AttentionShape{q.size(0) * q.size(1), q.size(2),        k.size(2),        q.size(3),
+                        group,                 causal,           window,           scale,
+                        q.size(1),             head_strides(q),  head_strides(k),  head_strides(v),
+                        head_strides(out),     head_strides(grad_out)};
 }
 
 TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
@@ -79,12 +124,11 @@ TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
   const char* op = "attention_forward";
   const DType dtype = kernel_dtype(op, q);
   check_attention(op, q, k, v, causal, window);
-  at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  at::Tensor out = empty_attention_output(q);
   at::Tensor lse = at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(statistics_dtype(q)));
   if (q.is_meta() || out.numel() == 0) return {out, lse};  // (no 0-block launch)
-  const at::Tensor queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
-  check_aligned_16(op, {&queries, &keys, &values});
-  const AttentionShape shape = attention_shape(q, k, causal, window, scale);
+  const at::Tensor queries = readable(q), keys = readable(k), values = readable(v);
+  const AttentionShape shape = attention_shape(queries, keys, values, out, out, causal, window, scale);
   run_on_device_of(
       queries,
       [&](void* stream) {
@@ -113,10 +157,9 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   if (q.numel() == 0 || k.numel() == 0) {  // nothing to launch; keys no query sees get zero gradients
     return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
   }
-  const at::Tensor dy = grad_out.contiguous(), queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
-  const at::Tensor output = out.contiguous(), log_sum_exp = lse.contiguous();
-  check_aligned_16(op, {&dy, &queries, &keys, &values, &output});
-  const AttentionShape shape = attention_shape(q, k, causal, window, scale);
+  const at::Tensor dy = readable(grad_out), queries = readable(q), keys = readable(k), values = readable(v);
+  const at::Tensor output = readable(out), log_sum_exp = lse.contiguous();
+  const AttentionShape shape = attention_shape(queries, keys, values, output, dy, causal, window, scale);
   run_on_device_of(
       queries,
       [&](void* stream) {
@@ -142,7 +185,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 double scale) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static const auto op = find_op<decltype(attention_forward)>("cuda_kernels::attention_forward");
-    const at::Tensor queries = q.contiguous(), keys = k.contiguous(), values = v.contiguous();
+    const at::Tensor queries = readable_once(q), keys = readable_once(k), values = readable_once(v);
     auto [out, lse] = op.call(queries, keys, values, causal, window, scale);
     // lse, not the probabilities: the backward recomputes them.
     ctx->save_for_backward({queries, keys, values, out, lse});
@@ -200,14 +243,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   if (q.is_meta() || out.numel() == 0) return out;
   check_aligned_16(op, {&k_cache, &v_cache});
   // q, k_new and v_new are usually the heads of the fused projection (k_new and v_new strided alike):
-  // read in place when their rows are 16-byte aligned (always, for a projection of whole heads), else
-  // all three copied once.
-  const auto aligned_rows = [](const at::Tensor& t) {
-    const int64_t pack = 16 / t.element_size();
-    return t.stride(3) == 1 && t.stride(0) % pack == 0 && t.stride(1) % pack == 0 &&
-           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  };
-  const bool in_place = aligned_rows(q) && aligned_rows(k_new) && aligned_rows(v_new) && v_new.strides() == k_new.strides();
+  // read where they lie when they can be (always, for a projection of whole heads), else all three
+  // copied once.
+  const bool in_place = readable_where_it_lies(q) && readable_where_it_lies(k_new) && readable_where_it_lies(v_new) &&
+                        v_new.strides() == k_new.strides();
   const at::Tensor query = in_place ? q : q.contiguous(), key = in_place ? k_new : k_new.contiguous(),
                    value = in_place ? v_new : v_new.contiguous(), lengths = key_lengths.contiguous();
   const int64_t group = k_cache.size(1) > 0 ? q.size(1) / k_cache.size(1) : 1;

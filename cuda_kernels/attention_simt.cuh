@@ -55,25 +55,32 @@ __device__ __forceinline__ A row_group_sum(A value) {
   return value;
 }
 
-// This thread's columns of row `row` of a (rows, d) matrix, in the accumulator type; zeros past `rows`
-// and in the tile's columns past d.
+// The matrices below are (rows, d) with rows row_stride elements apart: d for the contiguous gradients,
+// more for q, k, v, out and grad_out, which are read and written where they lie (kernels.h, HeadStrides).
+// Each kernel finds its heads' first rows once (of_head's 64-bit divisions are long instruction
+// sequences on the GPU) and steps from row to row by the row stride.
+
+// This thread's columns of row `row` of a matrix, in the accumulator type; zeros past `rows` and in the
+// tile's columns past d.
 template <int kD, typename T>
-__device__ __forceinline__ void load_row_part(Acc<T> (&values)[SimtRows<kD>::kColumns], const T* matrix, int64_t row,
-                                              int64_t rows, int d, int part) {
+__device__ __forceinline__ void load_row_part(Acc<T> (&values)[SimtRows<kD>::kColumns], const T* matrix,
+                                              int64_t row_stride, int64_t row, int64_t rows, int d, int part) {
 #pragma unroll
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) {
     const int column = part + c * SimtRows<kD>::kThreadsPerRow;
-    values[c] = row < rows && column < d ? to_acc(matrix[row * d + column]) : Acc<T>(0);
+    values[c] = row < rows && column < d ? to_acc(matrix[row * row_stride + column]) : Acc<T>(0);
   }
 }
 
+// values * scale into this thread's columns of row `row` of a matrix, up to column d.
 template <int kD, typename T>
-__device__ __forceinline__ void store_row_part(T* matrix, int64_t row, const Acc<T> (&values)[SimtRows<kD>::kColumns],
-                                               Acc<T> scale, int d, int part) {
+__device__ __forceinline__ void store_row_part(T* matrix, int64_t row_stride, int64_t row,
+                                               const Acc<T> (&values)[SimtRows<kD>::kColumns], Acc<T> scale, int d,
+                                               int part) {
 #pragma unroll
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) {
     const int column = part + c * SimtRows<kD>::kThreadsPerRow;
-    if (column < d) matrix[row * d + column] = from_acc<T>(values[c] * scale);
+    if (column < d) matrix[row * row_stride + column] = from_acc<T>(values[c] * scale);
   }
 }
 
@@ -93,14 +100,15 @@ __device__ __forceinline__ void add_row_part(A (&values)[SimtRows<kD>::kColumns]
   for (int c = 0; c < SimtRows<kD>::kColumns; ++c) values[c] += weight * tile[row * kD + part + c * SimtRows<kD>::kThreadsPerRow];
 }
 
-// Rows [row0, row0 + kTileRows) of a (rows, d) matrix into a shared tile kD wide, in the accumulator
-// type, zeros past `rows` and past column d; the whole block takes part (coalesced: consecutive
-// threads, consecutive elements of a row).
+// Rows [row0, row0 + kTileRows) of a matrix into a shared tile kD wide, in the accumulator type, zeros
+// past `rows` and past column d; the whole block takes part (coalesced: consecutive threads,
+// consecutive elements of a row).
 template <int kD, typename T>
-__device__ __forceinline__ void load_simt_tile(Acc<T>* tile, const T* matrix, int64_t row0, int64_t rows, int d) {
+__device__ __forceinline__ void load_simt_tile(Acc<T>* tile, const T* matrix, int64_t row_stride, int64_t row0,
+                                               int64_t rows, int d) {
   for (int e = static_cast<int>(threadIdx.x); e < SimtRows<kD>::kTileRows * kD; e += static_cast<int>(blockDim.x)) {
     const int row = e / kD, column = e % kD;
-    tile[e] = row0 + row < rows && column < d ? to_acc(matrix[(row0 + row) * d + column]) : Acc<T>(0);
+    tile[e] = row0 + row < rows && column < d ? to_acc(matrix[(row0 + row) * row_stride + column]) : Acc<T>(0);
   }
 }
 
@@ -122,18 +130,19 @@ attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, con
   const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
   const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
   const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
-  q += bh * lq * d;
-  k += bh / shape.group * lk * d;  // the kv head of this query head's group
-  v += bh / shape.group * lk * d;
+  const int64_t kv = bh / shape.group;  // the kv head of this query head's group (of heads / group a batch)
+  q += shape.q.of_head(bh, shape.heads);
+  k += shape.k.of_head(kv, shape.heads / shape.group);
+  v += shape.v.of_head(kv, shape.heads / shape.group);
 
   A q_row[Rows::kColumns], o[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q, i, lq, d, part);
+  load_row_part<kD>(q_row, q, shape.q.row, i, lq, d, part);
   A row_max = -INFINITY, row_sum = 0;
   const A scale = static_cast<A>(shape.scale);
   for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += Rows::kTileRows) {
     __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk, d);
-    load_simt_tile<kD>(v_tile, v, key0, lk, d);
+    load_simt_tile<kD>(k_tile, k, shape.k.row, key0, lk, d);
+    load_simt_tile<kD>(v_tile, v, shape.v.row, key0, lk, d);
     __syncthreads();
     A s[Rows::kTileRows];
     A tile_max = row_max;
@@ -157,7 +166,7 @@ attention_forward_simt_kernel(AttentionShape shape, const T* __restrict__ q, con
     row_max = tile_max;
   }
   if (i < lq) {
-    store_row_part<kD>(out + bh * lq * d, i, o, A(1) / row_sum, d, part);
+    store_row_part<kD>(out + shape.out.of_head(bh, shape.heads), shape.out.row, i, o, A(1) / row_sum, d, part);
     if (part == 0) lse[bh * lq + i] = row_max + log(row_sum);
   }
 }
@@ -179,19 +188,20 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
   const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
   const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
   const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
-  const int64_t row = bh * lq + i;
-  k += bh / shape.group * lk * d;  // the kv head of this query head's group
-  v += bh / shape.group * lk * d;
+  const int64_t row = bh * lq + i;  // of lse, delta and grad_q, which are contiguous
+  const int64_t kv = bh / shape.group;  // the kv head of this query head's group (of heads / group a batch)
+  k += shape.k.of_head(kv, shape.heads / shape.group);
+  v += shape.v.of_head(kv, shape.heads / shape.group);
 
   T q_row[Rows::kColumns], dout_row[Rows::kColumns], dq[Rows::kColumns] = {};
-  load_row_part<kD>(q_row, q + bh * lq * d, i, lq, d, part);
-  load_row_part<kD>(dout_row, grad_out + bh * lq * d, i, lq, d, part);
+  load_row_part<kD>(q_row, q + shape.q.of_head(bh, shape.heads), shape.q.row, i, lq, d, part);
+  load_row_part<kD>(dout_row, grad_out + shape.grad_out.of_head(bh, shape.heads), shape.grad_out.row, i, lq, d, part);
   const T row_lse = i < lq ? lse[row] : T(0), row_delta = i < lq ? delta[row] : T(0);
   const T scale = static_cast<T>(shape.scale);
   for (int64_t key0 = visible.first_key(i0); key0 < visible.end_key(i1 - 1); key0 += Rows::kTileRows) {
     __syncthreads();  // the previous tile is no longer read
-    load_simt_tile<kD>(k_tile, k, key0, lk, d);
-    load_simt_tile<kD>(v_tile, v, key0, lk, d);
+    load_simt_tile<kD>(k_tile, k, shape.k.row, key0, lk, d);
+    load_simt_tile<kD>(v_tile, v, shape.v.row, key0, lk, d);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < Rows::kTileRows; ++j) {
@@ -201,7 +211,7 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
       add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
     }
   }
-  if (i < lq) store_row_part<kD>(grad_q + bh * lq * d, i, dq, scale, d, part);
+  if (i < lq) store_row_part<kD>(grad_q + bh * lq * d, d, i, dq, scale, d, part);
 }
 
 // dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
@@ -222,16 +232,21 @@ attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__
   const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
 
   T k_row[Rows::kColumns], v_row[Rows::kColumns], dk[Rows::kColumns] = {}, dv[Rows::kColumns] = {};
-  load_row_part<kD>(k_row, k + kv * lk * d, j, lk, d, part);
-  load_row_part<kD>(v_row, v + kv * lk * d, j, lk, d, part);
+  // kv counts the kv heads of all batches, heads / group of them a batch.
+  load_row_part<kD>(k_row, k + shape.k.of_head(kv, shape.heads / shape.group), shape.k.row, j, lk, d, part);
+  load_row_part<kD>(v_row, v + shape.v.of_head(kv, shape.heads / shape.group), shape.v.row, j, lk, d, part);
   const T scale = static_cast<T>(shape.scale);
-  for (int64_t bh = kv * shape.group; bh < (kv + 1) * shape.group; ++bh) {
-    const T* q_head = q + bh * lq * d;
-    const T* dout_head = grad_out + bh * lq * d;
+  // The group's query heads kv * group .. + group are consecutive heads of one batch (heads is a multiple
+  // of group), so their rows start shape.q.head (grad_out.head) elements apart: the pointers step from
+  // head to head, with no 64-bit division for each.
+  const T* q_head = q + shape.q.of_head(kv * shape.group, shape.heads);
+  const T* dout_head = grad_out + shape.grad_out.of_head(kv * shape.group, shape.heads);
+  for (int64_t bh = kv * shape.group; bh < (kv + 1) * shape.group;
+       ++bh, q_head += shape.q.head, dout_head += shape.grad_out.head) {
     for (int64_t query0 = visible.first_query(j0); query0 < visible.end_query(j1 - 1); query0 += Rows::kTileRows) {
       __syncthreads();  // the previous tile is no longer read
-      load_simt_tile<kD>(q_tile, q_head, query0, lq, d);
-      load_simt_tile<kD>(dout_tile, dout_head, query0, lq, d);
+      load_simt_tile<kD>(q_tile, q_head, shape.q.row, query0, lq, d);
+      load_simt_tile<kD>(dout_tile, dout_head, shape.grad_out.row, query0, lq, d);
       if (threadIdx.x < Rows::kTileRows) {
         const bool valid = query0 + threadIdx.x < lq;
         lse_tile[threadIdx.x] = valid ? lse[bh * lq + query0 + threadIdx.x] : T(0);
@@ -249,8 +264,8 @@ attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__
     }
   }
   if (j < lk) {
-    store_row_part<kD>(grad_k + kv * lk * d, j, dk, scale, d, part);
-    store_row_part<kD>(grad_v + kv * lk * d, j, dv, T(1), d, part);
+    store_row_part<kD>(grad_k + kv * lk * d, d, j, dk, scale, d, part);
+    store_row_part<kD>(grad_v + kv * lk * d, d, j, dv, T(1), d, part);
   }
 }
 

@@ -44,6 +44,11 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kBoxColumns = 64;
 constexpr int kRowBytes = 128;
 
+// The head a tile belongs to: TMA's two outer coordinates (the maps are 4-D: see the TMA section).
+struct TileHead {
+  int head, batch;
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // --- mbarrier: a shared-memory barrier that counts arrivals and, for TMA, bytes ---------------------------
@@ -93,44 +98,55 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity
 // (cuTensorMapEncodeTiled). Elements outside the tensor are zero-filled on loads and skipped on stores:
 // ragged lengths and head dims narrower than the box need no padding in memory and no bounds checks here.
 
-// The 3-D box at (column, row, matrix) into shared memory; its bytes count toward `barrier`'s phase.
-__device__ __forceinline__ void tma_load_3d(void* shared, const CUtensorMap* map, int column, int row, int matrix,
+// Every map is 4-D, innermost first: (column, row, head, batch) of a (batch, heads, rows, head_dim)
+// operand, each dim with its own stride, so that heads that are views of a fused projection (rows
+// 3 * n_embd apart, heads head_dim apart) are read where they lie (kernels.h, HeadStrides).
+
+// Head `index` of a tensor with `heads` heads a batch, where index counts batch * heads as the kernels' bh
+// does (or bh / group for a kv head).
+__device__ __forceinline__ TileHead tile_head(int64_t index, int64_t heads) {
+  return TileHead{static_cast<int>(index % heads), static_cast<int>(index / heads)};
+}
+
+// The box at (column, row) of head `at` into shared memory; its bytes count toward `barrier`'s phase.
+__device__ __forceinline__ void tma_load_4d(void* shared, const CUtensorMap* map, int column, int row, TileHead at,
                                             uint64_t* barrier) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n"
       :
-      : "r"(shared_address(shared)), "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(matrix),
-        "r"(shared_address(barrier))
+      : "r"(shared_address(shared)), "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(at.head),
+        "r"(at.batch), "r"(shared_address(barrier))
       : "memory");
 }
 
-// The 3-D box at (column, row, matrix) from shared memory to global memory, as one bulk group.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* shared, int column, int row,
-                                             int matrix) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+// The box at (column, row) of head `at` from shared memory to global memory, as one bulk group.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* shared, int column, int row,
+                                             TileHead at) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
                :
                : "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(shared)), "r"(column), "r"(row),
-                 "r"(matrix)
+                 "r"(at.head), "r"(at.batch)
                : "memory");
 }
 
-// A tile of kBoxes 64-column boxes (box_bytes apart in shared memory) whose rows start at `row` of matrix
-// `matrix`, onto `barrier`; and the same tile stored back.
+// A tile of kBoxes 64-column boxes (box_bytes apart in shared memory) whose rows start at `row` of head
+// `at`, onto `barrier`; and the same tile stored back.
 template <int kBoxes>
-__device__ __forceinline__ void tma_load_tile(void* shared, int box_bytes, const CUtensorMap* map, int row,
-                                              int matrix, uint64_t* barrier) {
+__device__ __forceinline__ void tma_load_tile(void* shared, int box_bytes, const CUtensorMap* map, int row, TileHead at,
+                                              uint64_t* barrier) {
 #pragma unroll
   for (int box = 0; box < kBoxes; ++box) {
-    tma_load_3d(static_cast<unsigned char*>(shared) + box * box_bytes, map, box * kBoxColumns, row, matrix, barrier);
+    tma_load_4d(static_cast<unsigned char*>(shared) + box * box_bytes, map, box * kBoxColumns, row, at, barrier);
   }
 }
 
 template <int kBoxes>
 __device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, const void* shared, int box_bytes, int row,
-                                               int matrix) {
+                                               TileHead at) {
 #pragma unroll
   for (int box = 0; box < kBoxes; ++box) {
-    tma_store_3d(map, static_cast<const unsigned char*>(shared) + box * box_bytes, box * kBoxColumns, row, matrix);
+    tma_store_4d(map, static_cast<const unsigned char*>(shared) + box * box_bytes, box * kBoxColumns, row, at);
   }
 }
 
@@ -483,24 +499,34 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encode_function() {
   return encode;
 }
 
-// A contiguous (matrices, rows, head_dim) tensor of 16-bit values as a TMA tensor map whose boxes are
-// box_rows rows x 64 columns, 128-byte swizzled. The sizes (innermost first) bound every box: rows past
-// `rows` (a sequence's end, not the next head's first rows) and columns past head_dim read as zero and
-// are never written. False if the driver refuses it.
-inline bool encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void* tensor, int64_t matrices,
-                                       int64_t rows, int64_t head_dim, int box_rows) {
+// A (batch, heads, rows, head_dim) operand of 16-bit values lying as `strides` says, as a TMA tensor map
+// whose boxes are box_rows rows x 64 columns of one head, 128-byte swizzled. The sizes (innermost first)
+// bound every box: rows past `rows` (a sequence's end, not the next head's first rows) and columns past
+// head_dim read as zero and are never written. False if the driver refuses it (TMA wants every stride a
+// multiple of 16 bytes, which the host has made sure of).
+inline bool encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void* tensor, int64_t batch, int64_t heads,
+                                       int64_t rows, int64_t head_dim, const HeadStrides& strides, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encode_function();
   if (encode == nullptr) return false;
-  const cuuint64_t sizes[3] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
-                               static_cast<cuuint64_t>(matrices)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_dim) * 2, static_cast<cuuint64_t>(rows * head_dim) * 2};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_steps[3] = {1, 1, 1};
+  constexpr cuuint64_t kBytes = 2;
+  const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides.row) * kBytes,
+                                      static_cast<cuuint64_t>(strides.head) * kBytes,
+                                      static_cast<cuuint64_t>(strides.batch) * kBytes};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_steps[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type =
       dtype == DType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(map, type, 3, const_cast<void*>(tensor), sizes, strides, box, element_steps,
+  return encode(map, type, 4, const_cast<void*>(tensor), sizes, byte_strides, box, element_steps,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The strides of a contiguous tensor of (heads, rows, head_dim), as one batch: the backward's grad_k and
+// grad_v, whose tiles the kernel addresses as head `kv` of batch 0 (no division on the way).
+inline HeadStrides contiguous_head_strides(int64_t heads, int64_t rows, int64_t head_dim) {
+  return HeadStrides{heads * rows * head_dim, rows * head_dim, head_dim};
 }
 
 // The sm_90a image runs on compute capability 9.0 only (H100, H200, GH200). Asked once per device: a

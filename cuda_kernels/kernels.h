@@ -5,7 +5,8 @@
 // CUDA stream as `void*` (a cudaStream_t is a pointer). The .cu files cast them back.
 //
 // Conventions, for every function below:
-//   - pointers address contiguous memory; a (rows, n) matrix is row-major;
+//   - pointers address contiguous memory (except where a shape says otherwise: AttentionShape, DecodeShape); a
+//     (rows, n) matrix is row-major;
 //   - sizes are element counts and are > 0 (the binding returns empty outputs without calling us);
 //   - arithmetic is float32 for float16/bfloat16/float32 inputs and float64 for float64 inputs; the
 //     LayerNorm statistics (mean, rstd = reciprocal standard deviation) and RMSNorm's (rstd = reciprocal
@@ -18,16 +19,36 @@ namespace kernel_ladder {
 
 enum class DType { Float32, Float64, Float16, BFloat16 };
 
-// One attention call: q is (batch_heads, query_length, head_dim), k and v (batch_heads / group, key_length,
-// head_dim): query head bh reads kv head bh / group (grouped-query attention; group 1: a kv head per query
-// head). head_dim is a multiple of 8, at most 256. Query i sits at key position i + key_length -
-// query_length; `causal` lets it see keys at or before that position, `window` > 0 only the `window` most
-// recent of them (attention_mask.h).
+// Where the rows of a (batch, heads, rows, head_dim) attention operand lie: row i of head h of batch b
+// starts `b * batch + h * head + i * row` elements after the tensor's first, and its head_dim values are
+// contiguous. A contiguous tensor has row = head_dim, head = rows * row, batch = heads * head. The heads
+// of a fused q·k·v projection, (batch, tokens, 3, heads, head_dim) viewed as three (batch, heads, tokens,
+// head_dim) tensors, have row = 3 * heads * head_dim and head = head_dim: the kernels read them where
+// they lie, so the projection's output is never copied into head-major order, and write `out` in the
+// (batch, tokens, heads, head_dim) order the output projection reads.
+struct HeadStrides {
+  int64_t batch, head, row;
+  // The first element of head `index` of a tensor with `heads` heads per batch (index counts batch * heads).
+  constexpr int64_t of_head(int64_t index, int64_t heads) const { return index / heads * batch + index % heads * head; }
+};
+
+// One attention call: q is (batch, heads, query_length, head_dim), batch_heads = batch * heads of them; k
+// and v (batch, heads / group, key_length, head_dim): query head bh reads kv head bh / group
+// (grouped-query attention; group 1: a kv head per query head). head_dim is a multiple of 8, at most
+// 256. Query i sits at key position i + key_length - query_length; `causal` lets it see keys at or before
+// that position, `window` > 0 only the `window` most recent of them (attention_mask.h).
+//
+// q, k, v, out and (backward) grad_out lie as their HeadStrides say: row i of query head bh at
+// q.of_head(bh, heads) + i * q.row, of kv head bh / group at k.of_head(bh / group, heads / group) + i * k.row.
+// On CUDA every stride is a multiple of 16 bytes (the rows are copied in 16-byte pieces and by TMA). The
+// rest is contiguous: lse (batch_heads, query_length), and the backward's grad_q, grad_k and grad_v.
 struct AttentionShape {
   int64_t batch_heads, query_length, key_length, head_dim, group;
   bool causal;
   int64_t window;
   double scale;  // multiplies q.k
+  int64_t heads;  // query heads per batch: batch_heads / heads is the batch
+  HeadStrides q, k, v, out, grad_out;
 };
 
 // One decode-attention call (attention_decode.cu): q (batch, heads, 1, head_dim), rows of head_dim

@@ -21,8 +21,11 @@
 //
 // Tiles and rows. A tile is kCols wide (a multiple of 16, the k-step of mma.sync); the matrix rows in
 // global memory hold row_length <= kCols values (a head dim, a multiple of 8, so a row is whole 16-byte
-// pieces and starts 16-byte aligned). Loads zero-fill the tile's columns past row_length (zeros add
-// nothing to any product) and stores skip them: the tensors are never padded in memory.
+// pieces) and lie row_stride elements apart: row_length for a contiguous matrix, more for a head of a
+// fused q·k·v projection or an output written in (tokens, heads) order (kernels.h, HeadStrides). The
+// stride is a multiple of 16 bytes too, so every row starts 16-byte aligned, as cp.async and the vector
+// stores need. Loads zero-fill the tile's columns past row_length (zeros add nothing to any product) and
+// stores skip them: the tensors are never padded in memory.
 #pragma once
 
 #include "common.cuh"
@@ -39,21 +42,32 @@ __device__ __forceinline__ void copy_async_4(void* shared, const void* global, b
                "r"(valid ? 4 : 0));
 }
 
-// Rows [row0, row0 + kRows) of a (rows, row_length) row-major matrix into a padded shared tile kCols
-// wide, 16 bytes per copy, spread over kThreads threads; rows at or past `rows` and columns at or past
-// row_length are zero-filled (a zero adds nothing to any product, and never leaves garbage that could
-// be NaN).
+// Rows [row0, row0 + kRows) of a (rows, row_length) matrix whose rows lie row_stride elements apart into
+// a padded shared tile kCols wide, 16 bytes per copy, spread over kThreads threads; rows at or past
+// `rows` and columns at or past row_length are zero-filled (a zero adds nothing to any product, and
+// never leaves garbage that could be NaN).
+//
+// Unrolled or not (ptxas -v, sm_90): unrolled, the compiler works each copy's offset (row * row_stride
+// + col) out once and holds it through the caller's loop, a 64-bit register pair per copy and matrix
+// (K's and V's cannot be shared: their strides may differ). At tile widths 96 and 192, whose 12 and 24
+// chunks a row do not divide the thread count, every chunk of a thread has a row and column of its own,
+// and the forward spilled at 192: there the loop stays rolled, one multiply-add per 16-byte copy. Where
+// kChunksPerRow divides kThreads a thread's chunks share a column, evenly many rows apart, and unrolled
+// does better (rolled, the backward at tile width 128 spilled 260 bytes instead of 12).
 template <int kRows, int kCols, int kThreads, typename T>
-__device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_t row0, int64_t rows, int row_length) {
+__device__ __forceinline__ void load_tile_async(T* tile, const T* matrix, int64_t row_stride, int64_t row0,
+                                                int64_t rows, int row_length) {
   constexpr int kChunkElements = 16 / sizeof(T);
   constexpr int kChunksPerRow = kCols / kChunkElements;
+  constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
   static_assert((kRows * kChunksPerRow) % kThreads == 0, "every thread copies the same number of chunks");
-#pragma unroll
-  for (int i = 0; i < kRows * kChunksPerRow / kThreads; ++i) {
+  const T* first_row = matrix + row0 * row_stride;  // the one 64-bit multiply by row0 a call
+#pragma unroll(kThreads % kChunksPerRow == 0 ? kChunksPerThread : 1)
+  for (int i = 0; i < kChunksPerThread; ++i) {
     const int chunk = static_cast<int>(threadIdx.x) + i * kThreads;
     const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
     const bool valid = row0 + row < rows && col < row_length;
-    copy_async_16(tile + row * kPaddedPitch<kCols> + col, matrix + (valid ? (row0 + row) * row_length + col : 0), valid);
+    copy_async_16(tile + row * kPaddedPitch<kCols> + col, valid ? first_row + row * row_stride + col : matrix, valid);
   }
 }
 
@@ -246,18 +260,18 @@ __device__ __forceinline__ void stage_accumulators(T* rows16, const float (&c)[k
 }
 
 // A warp copies the kRows rows of a padded shared tile kCols wide to rows [row0, row0 + kRows) of a
-// (rows, row_length) global matrix, 16 bytes per lane per step; rows at or past `rows` and the tile's
-// columns past row_length are not written.
+// (rows, row_length) global matrix whose rows lie row_stride elements apart, 16 bytes per lane per step;
+// rows at or past `rows` and the tile's columns past row_length are not written.
 template <int kRows, int kCols, typename T>
-__device__ __forceinline__ void copy_rows_to_global(T* matrix, const T* tile, int64_t row0, int64_t rows,
-                                                    int row_length) {
+__device__ __forceinline__ void copy_rows_to_global(T* matrix, int64_t row_stride, const T* tile, int64_t row0,
+                                                    int64_t rows, int row_length) {
   constexpr int kChunkElements = 16 / sizeof(T);
   constexpr int kChunksPerRow = kCols / kChunkElements;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   for (int chunk = lane; chunk < kRows * kChunksPerRow; chunk += kWarpSize) {
     const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * kChunkElements;
     if (row0 + row < rows && col < row_length) {
-      *reinterpret_cast<int4*>(matrix + (row0 + row) * row_length + col) =
+      *reinterpret_cast<int4*>(matrix + (row0 + row) * row_stride + col) =
           *reinterpret_cast<const int4*>(tile + row * kPaddedPitch<kCols> + col);
     }
   }

@@ -297,8 +297,10 @@ def _compiled_decode_attention():
 
 class _AttentionKernel(AttentionSpec):
     """Levels 4 and 5: flash-attention ops; ``backend`` and ``kernel_name`` are set by each level. The
-    ops take q, k and v as they come and copy a strided one themselves, below autograd, so heads
-    split off a fused projection cost no extra autograd node (and no extra Python call) here."""
+    ops take q, k and v as they come, so heads split off a fused projection cost no autograd node (and
+    no Python call) here: level 5's kernels read them where they lie, and write the output in the
+    (batch, tokens, heads, head_dim) order that merging the heads back reads; level 4 copies them below
+    autograd."""
 
     def check_inputs(self, q, k, v):
         super().check_inputs(q, k, v)

@@ -56,6 +56,49 @@ def test_attention_gradients_pass_float64_gradcheck(config, query_length, heads,
     assert torch.autograd.gradcheck(module, (q, k, v), fast_mode=True)
 
 
+def _heads_of_a_fused_projection(qkv, heads, kv_heads):
+    """q, k and v as self-attention makes them: (batch, heads, tokens, head_dim) views of one projection
+    (batch, tokens, heads + 2 * kv_heads, head_dim), strided, nothing copied."""
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("config,tokens,heads,kv_heads,head_dim", [
+    ({"causal": True}, 70, 3, 3, 64),
+    ({"causal": True, "window": 5}, 33, 4, 2, 24),  # grouped-query heads, a head dim on a wider tile
+    ({"causal": False}, 1, 2, 2, 128),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_of_heads_split_off_a_fused_projection_matches_float64(config, tokens, heads, kv_heads, head_dim,
+                                                                          dtype, level, device):
+    """The kernels take strided heads (level 5 reads them where they lie): output and the projection's
+    gradient match the float64 reference on contiguous copies."""
+    if dtype not in levels.LEVEL_DTYPES[level][device]:
+        pytest.skip(f"level {level} computes no {dtype} on {device}")
+    module = levels.build("attention", level, **config)
+    qkv = torch.randn(2, tokens, heads + 2 * kv_heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+    reference_qkv = qkv.detach().to(torch.float64).requires_grad_(True)
+    out = module(*_heads_of_a_fused_projection(qkv, heads, kv_heads))
+    expected = levels.float64_reference(module)(*(x.contiguous() for x in
+                                                  _heads_of_a_fused_projection(reference_qkv, heads, kv_heads)))
+    grad_out = torch.randn_like(expected)
+    out.backward(grad_out.to(dtype))
+    expected.backward(grad_out)
+    tolerance = levels.TOLERANCE[dtype]
+    assert levels.relative_max_error(out, expected) <= tolerance
+    assert levels.relative_max_error(qkv.grad, reference_qkv.grad) <= tolerance
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_level_5_attention_output_merges_its_heads_without_a_copy(device):
+    """Level 5 writes the output in (batch, tokens, heads, head_dim) order, so that merging the heads back
+    into one row per token, as self-attention does before its output projection, is a view."""
+    q = torch.randn(2, 3, 5, 16, device=device)
+    out = levels.build("attention", "cuda", causal=True)(q, q, q)
+    assert out.transpose(1, 2).is_contiguous()
+
+
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("component,config", [
     ("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": 6}), ("rms_norm", {"normalized_shape": 6}),
