@@ -508,6 +508,13 @@ inline bool encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void
                                        int64_t rows, int64_t head_dim, const HeadStrides& strides, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encode_function();
   if (encode == nullptr) return false;
+  // The driver call needs a context current on this thread, which the runtime binds on a thread's first
+  // call that needs one. Autograd runs the backward on a thread of its own, where this may come first:
+  // the driver would answer "invalid context" and the caller fall back to the mma.sync kernel. A no-op
+  // runtime call binds the device's primary context, once a thread (a later switch of device goes
+  // through cudaSetDevice, which binds that device's).
+  thread_local const bool context_bound = cudaFree(nullptr) == cudaSuccess;
+  (void)context_bound;
   constexpr cuuint64_t kBytes = 2;
   const cuuint64_t sizes[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
