@@ -117,7 +117,7 @@ constexpr int kFirstStoreBarrier = 3;
 template <int kD>
 __device__ __forceinline__ void load_backward_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, const CUtensorMap* dout_map,
-                                                    const AttentionShape& shape, const float* lse, const float* delta,
+                                                    const AttentionProblem& shape, const float* lse, const float* delta,
                                                     unsigned char* tiles, BackwardBarriers& barriers,
                                                     const BackwardBlock& block) {
   using Layout = BackwardSharedLayout<kD>;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void issue_query_grads(float (&dq)[kD / 16][4], uint3
 
 // A consumer warpgroup: its 64 keys against every query tile of the block, then its rows of dk and dv.
 template <typename T, int kD>
-__device__ __forceinline__ void attend_backward(const AttentionShape& shape, const CUtensorMap* dk_map,
+__device__ __forceinline__ void attend_backward(const AttentionProblem& shape, const CUtensorMap* dk_map,
                                                 const CUtensorMap* dv_map, float* dq_accumulator,
                                                 unsigned char* tiles, BackwardBarriers& barriers,
                                                 const BackwardBlock& block, int consumer) {
@@ -325,7 +325,7 @@ attention_backward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, cons
                                  const __grid_constant__ CUtensorMap v_map,
                                  const __grid_constant__ CUtensorMap dout_map,
                                  const __grid_constant__ CUtensorMap dk_map,
-                                 const __grid_constant__ CUtensorMap dv_map, AttentionShape shape,
+                                 const __grid_constant__ CUtensorMap dv_map, AttentionProblem shape,
                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                  float* __restrict__ dq_accumulator) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -391,7 +391,8 @@ void launch_hopper_backward(const AttentionShape& shape, const CUtensorMap (&map
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   const auto blocks =
       static_cast<unsigned>(shape.batch_heads / shape.group * ceil_div(shape.key_length, kBackwardKeys));
-  kernel<<<blocks, kBackwardThreads, kBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], shape,
+  const AttentionProblem& problem = shape;  // the kernel takes no strides: its maps hold them (kernels.h)
+  kernel<<<blocks, kBackwardThreads, kBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], problem,
                                                        static_cast<const float*>(lse), delta, dq_accumulator);
   launch_attention_backward_dq<T>(dq_accumulator, static_cast<T*>(grad_q), rows * d, shape.scale, stream);
 }

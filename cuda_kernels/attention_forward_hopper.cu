@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_rows(float (&o)[kD / 8][4], float (&row_ma
 
 // A consumer warpgroup: its 64 queries against key tiles 0..key_tiles-1 of the CTA's range.
 template <typename T, int kD>
-__device__ __forceinline__ void attend(const AttentionShape& shape, const CUtensorMap* out_map, float* lse,
+__device__ __forceinline__ void attend(const AttentionProblem& shape, const CUtensorMap* out_map, float* lse,
                                        unsigned char* tiles, HopperBarriers& barriers, int consumer, int64_t query0,
                                        int64_t bh, int key_begin, int key_tiles) {
   using Tile = HopperTile<kD>;
@@ -345,7 +345,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kHopperThreads, 1)
 attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap out_map,
-                                AttentionShape shape, float* __restrict__ lse) {
+                                AttentionProblem shape, float* __restrict__ lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = HopperTile<kD>;
   extern __shared__ unsigned char shared_bytes[];
@@ -415,7 +415,8 @@ bool launch_hopper_kernel(const AttentionShape& shape, const void* q, const void
   // Beyond 48 KB a kernel's dynamic shared memory must be asked for (per device, so every launch).
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kBytes);
   const auto blocks = static_cast<unsigned>(shape.batch_heads * ceil_div(shape.query_length, kHopperQueries));
-  kernel<<<blocks, kHopperThreads, Tile::kBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], shape,
+  const AttentionProblem& problem = shape;  // the kernel takes no strides: its maps hold them (kernels.h)
+  kernel<<<blocks, kHopperThreads, Tile::kBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], problem,
                                                            static_cast<float*>(lse));
   return true;
 }

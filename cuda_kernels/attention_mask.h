@@ -22,7 +22,7 @@ struct VisibleKeys {
   int64_t window;  // > 0: only the `window` most recent keys; 0: no window
   bool causal;
 
-  KERNEL_LADDER_HOST_DEVICE explicit VisibleKeys(const AttentionShape& s)
+  KERNEL_LADDER_HOST_DEVICE explicit VisibleKeys(const AttentionProblem& s)
       : query_length(s.query_length), key_length(s.key_length), offset(s.key_length - s.query_length),
         window(s.causal ? s.window : 0), causal(s.causal) {}
 

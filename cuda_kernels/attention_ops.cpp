@@ -113,10 +113,10 @@ at::Tensor empty_attention_output(const at::Tensor& q) {
 AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                const at::Tensor& grad_out, bool causal, int64_t window, double scale) {
   const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
-  return AttentionShape{q.size(0) * q.size(1), q.size(2),        k.size(2),        q.size(3),
-                        group,                 causal,           window,           scale,
-                        q.size(1),             head_strides(q),  head_strides(k),  head_strides(v),
-                        head_strides(out),     head_strides(grad_out)};
+  const AttentionProblem problem{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), group, causal, window, scale,
+                                 q.size(1)};
+  return AttentionShape{problem, head_strides(q), head_strides(k), head_strides(v), head_strides(out),
+                        head_strides(grad_out)};
 }
 
 TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,

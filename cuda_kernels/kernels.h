@@ -37,17 +37,24 @@ struct HeadStrides {
 // (grouped-query attention; group 1: a kv head per query head). head_dim is a multiple of 8, at most
 // 256. Query i sits at key position i + key_length - query_length; `causal` lets it see keys at or before
 // that position, `window` > 0 only the `window` most recent of them (attention_mask.h).
-//
-// q, k, v, out and (backward) grad_out lie as their HeadStrides say: row i of query head bh at
-// q.of_head(bh, heads) + i * q.row, of kv head bh / group at k.of_head(bh / group, heads / group) + i * k.row.
-// On CUDA every stride is a multiple of 16 bytes (the rows are copied in 16-byte pieces and by TMA). The
-// rest is contiguous: lse (batch_heads, query_length), and the backward's grad_q, grad_k and grad_v.
-struct AttentionShape {
+struct AttentionProblem {
   int64_t batch_heads, query_length, key_length, head_dim, group;
   bool causal;
   int64_t window;
   double scale;  // multiplies q.k
   int64_t heads;  // query heads per batch: batch_heads / heads is the batch
+};
+
+// The problem and where its operands lie. q, k, v, out and (backward) grad_out lie as their HeadStrides
+// say: row i of query head bh at q.of_head(bh, heads) + i * q.row, of kv head bh / group at
+// k.of_head(bh / group, heads / group) + i * k.row. On CUDA every stride is a multiple of 16 bytes (the
+// rows are copied in 16-byte pieces and by TMA). The rest is contiguous: lse (batch_heads, query_length),
+// and the backward's grad_q, grad_k and grad_v.
+//
+// The Hopper kernels take the AttentionProblem alone (their TMA maps hold the strides): with the 15
+// strides in their by-value parameter, nvcc kept one copy of the backward's softmax code where it had kept
+// two, and the kernels ran 6-9 % slower on an H100 (ncu, GPT-2's attention, bf16).
+struct AttentionShape : AttentionProblem {
   HeadStrides q, k, v, out, grad_out;
 };
 
