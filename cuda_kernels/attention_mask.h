@@ -6,13 +6,7 @@
 
 #include <cstdint>
 
-#include "kernels.h"
-
-#ifdef __CUDACC__
-#define KERNEL_LADDER_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KERNEL_LADDER_HOST_DEVICE inline
-#endif
+#include "kernels.h"  // AttentionProblem, KERNEL_LADDER_HOST_DEVICE
 
 namespace kernel_ladder {
 

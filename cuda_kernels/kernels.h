@@ -15,6 +15,14 @@
 
 #include <cstdint>
 
+// The few helpers that the C++ CPU twins and the CUDA kernels share (a head's offset, attention_mask.h's
+// masks) are compiled for both sides by nvcc, and as plain inline functions by the C++ compiler.
+#ifdef __CUDACC__
+#define KERNEL_LADDER_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KERNEL_LADDER_HOST_DEVICE inline
+#endif
+
 namespace kernel_ladder {
 
 enum class DType { Float32, Float64, Float16, BFloat16 };
@@ -29,7 +37,9 @@ enum class DType { Float32, Float64, Float16, BFloat16 };
 struct HeadStrides {
   int64_t batch, head, row;
   // The first element of head `index` of a tensor with `heads` heads per batch (index counts batch * heads).
-  constexpr int64_t of_head(int64_t index, int64_t heads) const { return index / heads * batch + index % heads * head; }
+  KERNEL_LADDER_HOST_DEVICE int64_t of_head(int64_t index, int64_t heads) const {
+    return index / heads * batch + index % heads * head;
+  }
 };
 
 // One attention call: q is (batch, heads, query_length, head_dim), batch_heads = batch * heads of them; k
