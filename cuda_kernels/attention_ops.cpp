@@ -59,11 +59,15 @@ void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, c
                     ") looks back from each query, so it needs causal=True");
 }
 
-// The decode kernel writes the caches in place, in 16-byte pieces: they cannot be copied to fix their
-// alignment, so a cache that is a view starting at an odd offset into its storage is refused.
+// The CUDA kernels move rows in 16-byte pieces; PyTorch's allocator always aligns a tensor so, only a view
+// that starts at an odd offset into its storage does not.
+bool starts_16_byte_aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// The decode kernel writes the caches in place: they cannot be copied to fix their alignment, so a
+// misaligned cache is refused.
 void check_aligned_16(const char* op, std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK_VALUE(!t->is_cuda() || reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0, "cuda_kernels::", op,
+    TORCH_CHECK_VALUE(!t->is_cuda() || starts_16_byte_aligned(*t), "cuda_kernels::", op,
                       ": tensors must start at 16-byte aligned addresses on the GPU (call .clone() on this view)");
   }
 }
@@ -80,16 +84,16 @@ bool readable_where_it_lies(const at::Tensor& t) {
   for (int64_t dim = 0; dim < 3; ++dim) {
     if (t.size(dim) > 1 && t.stride(dim) % step != 0) return false;
   }
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  return starts_16_byte_aligned(t);
 }
 
-at::Tensor readable(const at::Tensor& t) { return readable_where_it_lies(t) ? t : t.contiguous(); }
-
-// The autograd forward's `readable`: a copy it makes is saved for the backward, so an odd view is copied
-// once, not again there. A tensor of symbolic shape (torch.compile tracing) has no address to check yet
-// and goes on as it is: the kernels' wrappers decide on the real tensor.
-at::Tensor readable_once(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ? t : readable(t);
+// t, or its contiguous copy where the kernels cannot read it where it lies. The autograd forward calls it
+// and saves what it returns, so an odd view is copied once, not again in the backward. A tensor of
+// symbolic shape (torch.compile tracing) has no address to check yet and goes on as it is: the op's
+// wrapper decides on the real tensor.
+at::Tensor readable(const at::Tensor& t) {
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return t;
+  return readable_where_it_lies(t) ? t : t.contiguous();
 }
 
 // The strides of a readable operand. A dim of size 1 gets its contiguous stride, which no kernel steps
@@ -185,7 +189,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 double scale) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static const auto op = find_op<decltype(attention_forward)>("cuda_kernels::attention_forward");
-    const at::Tensor queries = readable_once(q), keys = readable_once(k), values = readable_once(v);
+    const at::Tensor queries = readable(q), keys = readable(k), values = readable(v);
     auto [out, lse] = op.call(queries, keys, values, causal, window, scale);
     // lse, not the probabilities: the backward recomputes them.
     ctx->save_for_backward({queries, keys, values, out, lse});
