@@ -36,6 +36,34 @@ TINY = {"vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 64}
 """A model small enough for the CPU and Triton's interpreter to run in seconds (head dim 32)."""
 
 
+
+def check_id_range(smallest: int, largest: int, vocab_size: int) -> None:
+    if smallest < 0 or largest >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got ids from {smallest} to {largest}")
+
+
+class IdRangeOnTheWay:
+    """The token ids' smallest and largest values on their way to the host, and the ids clamped into the
+    vocabulary for the lookup, so that a bad id cannot read outside the embedding table.
+
+    Why not ``int(idx.max())``: on a CUDA tensor it waits until the GPU has run everything queued before
+    it, at the start of a training step the whole previous step, and while the host waits it queues
+    nothing, so the GPU then idles until the host's next launches reach it. Instead the two values travel
+    by a non-blocking copy into pinned host memory, and ``arrived`` (called once the forward is queued)
+    waits for that copy alone, which the GPU is usually long past by then: the host runs ahead as it does
+    without any check, and a bad id still raises before the forward returns anything."""
+
+    def __init__(self, idx: torch.Tensor, vocab_size: int):
+        self.extremes = torch.stack(torch.aminmax(idx)).to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        self.clamped_ids = idx.clamp(0, vocab_size - 1)
+
+    def arrived(self) -> tuple[int, int]:
+        self.copied.synchronize()
+        smallest, largest = self.extremes.tolist()
+        return smallest, largest
+
 class GPTSpec(ComponentSpec):
     """A GPT-2-style language model.
 
@@ -88,11 +116,18 @@ class GPTSpec(ComponentSpec):
     # --- the computation ---------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.check_inputs(idx)
-        if targets is None:
-            return self.compute(idx)
-        return self.lm_head(self.hidden_states(idx), targets)
+        on_the_way = IdRangeOnTheWay(idx, self.vocab_size) if idx.is_cuda and idx.numel() else None
+        if on_the_way is None:
+            self.check_ids(idx)
+        else:
+            idx = on_the_way.clamped_ids
+        output = self.compute(idx) if targets is None else self.lm_head(self.hidden_states(idx), targets)
+        if on_the_way is not None:
+            check_id_range(*on_the_way.arrived(), self.vocab_size)
+        return output
 
     def check_inputs(self, idx: torch.Tensor, past: int = 0) -> None:
+        """Type, shape, device and length: what the host knows without asking the GPU."""
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"gpt takes token ids as an int64 or int32 tensor, got "
                             f"{getattr(idx, 'dtype', type(idx).__name__)}")
@@ -103,9 +138,11 @@ class GPTSpec(ComponentSpec):
         if past + idx.shape[1] > self.block_size:
             raise ValueError(f"{past + idx.shape[1]} tokens do not fit the model's block_size={self.block_size} "
                              f"(it has that many positions)")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from {int(idx.min())} "
-                             f"to {int(idx.max())}")
+
+    def check_ids(self, idx: torch.Tensor) -> None:
+        """Every id in the vocabulary, checked now (on a CUDA tensor the host waits for the GPU to get here)."""
+        if idx.numel():
+            check_id_range(*(int(extreme) for extreme in torch.aminmax(idx)), self.vocab_size)
 
     def hidden_states(self, idx: torch.Tensor, caches: Optional[list] = None,
                       positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,6 +182,7 @@ class GPTSpec(ComponentSpec):
         size, which then only fills the cache with its prompt: capturing costs about two decode steps.
         Moving or converting the model (``.to()``) drops it, since a graph holds the addresses it read."""
         self.check_inputs(idx, past=max_new_tokens)
+        self.check_ids(idx)
         if cuda_graph is None:
             cuda_graph = idx.is_cuda
         if cuda_graph and not idx.is_cuda:

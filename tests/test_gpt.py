@@ -131,13 +131,18 @@ def test_sampling_with_temperature_is_reproducible_and_in_range():
     assert first.min() >= 0 and first.max() < CONFIG["vocab_size"]
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
-def test_token_ids_out_of_range_name_the_vocabulary_size(level):
-    model = levels.build("gpt", level, **CONFIG)
+@pytest.mark.parametrize("level,device", [device_param(device, level, id_prefix=f"{level}-")
+                                          for level in ALL_LEVELS for device in level_devices(level)])
+def test_token_ids_out_of_range_name_the_vocabulary_size(level, device):
+    """On a CUDA tensor the forward checks the ids without waiting for the GPU (IdRangeOnTheWay): the
+    error comes before the forward returns, whether or not targets are given."""
+    model = levels.build("gpt", level, **CONFIG).to(device)
     with pytest.raises(ValueError, match=r"vocab_size=96.*to 96"):
-        model(torch.tensor([[1, 2, 96]]))
+        model(torch.tensor([[1, 2, 96]], device=device))
     with pytest.raises(ValueError, match=r"vocab_size=96.*from -1"):
-        model(torch.tensor([[-1, 2]]))
+        model(torch.tensor([[-1, 2]], device=device), torch.tensor([[2, 3]], device=device))
+    with pytest.raises(ValueError, match=r"vocab_size=96.*from -1 to 96"):
+        model.generate(torch.tensor([[-1, 96]], device=device), max_new_tokens=1)
 
 
 @pytest.mark.parametrize("level", ALL_LEVELS)
