@@ -36,8 +36,8 @@ TINY = {"vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 64}
 """A model small enough for the CPU and Triton's interpreter to run in seconds (head dim 32)."""
 
 
-
 def check_id_range(smallest: int, largest: int, vocab_size: int) -> None:
+    """ValueError unless every token id, from ``smallest`` to ``largest``, lies in the vocabulary."""
     if smallest < 0 or largest >= vocab_size:
         raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got ids from {smallest} to {largest}")
 
@@ -60,9 +60,10 @@ class IdRangeOnTheWay:
         self.clamped_ids = idx.clamp(0, vocab_size - 1)
 
     def arrived(self) -> tuple[int, int]:
+        """(smallest, largest), once the copy has landed."""
         self.copied.synchronize()
-        smallest, largest = self.extremes.tolist()
-        return smallest, largest
+        return tuple(self.extremes.tolist())
+
 
 class GPTSpec(ComponentSpec):
     """A GPT-2-style language model.

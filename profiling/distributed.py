@@ -89,7 +89,7 @@ def build_model(level: str, config: dict, strategy: str | None, device: torch.de
         # Without a hook, the reducer divides every gradient by the number of processes as it lands in
         # its bucket: one small kernel per parameter (148 for GPT-2 small), launched from the backward's
         # thread while that thread should be launching the backward. The built-in all-reduce hook (C++)
-        # divides each bucket once, whole, before its all-reduce: 3 kernels a step instead of 148.
+        # divides each bucket once, whole, before its all-reduce: 2 kernels a step instead of 148 (profiled).
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         return ddp
     from torch.distributed.device_mesh import DeviceMesh
