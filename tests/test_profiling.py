@@ -14,7 +14,7 @@ from torch import nn
 import levels
 from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
-from profiling.gpu_suite import FASTEST_REFERENCE, Target
+from profiling.gpu_suite import FASTEST_REFERENCE, OWN_VALUE, Target, check_targets
 from profiling.timing import Timing, time_back_to_back, time_runs, time_side_by_side
 
 
@@ -193,6 +193,17 @@ def test_a_memory_target_compares_peak_memory_and_has_no_graph_replay_twin():
     assert lighter.measure(tables) == pytest.approx(0.3) and lighter.met(0.3) == "**no**"
     assert math.isnan(lighter.measure(tables, "graph_ms"))
     assert "peak memory mb ≤ 0.25×" in lighter.describe()
+
+
+def test_a_rate_target_reads_the_rows_own_tokens_per_second(tmp_path):
+    tables = {"step": pd.DataFrame({"level": ["native", "cuda"], "median_ms": [80.0, 20.0],
+                                    "tokens_per_s": [102_400.0, 409_600.0], "status": ["ok", "ok"]})}
+    fast_enough = Target("step", "cuda", 350_000, OWN_VALUE, column="tokens_per_s")
+    assert fast_enough.measure(tables) == pytest.approx(409_600) and fast_enough.met(409_600) == "yes"
+    assert Target("step", "native", 350_000, OWN_VALUE, column="tokens_per_s").met(102_400) == "**no**"
+    assert math.isnan(fast_enough.measure(tables, "graph_ms"))
+    report = check_targets(tables, [fast_enough], tmp_path / "targets.md")
+    assert "| step: 5 CUDA C++ ≥ 350,000 tokens/s | 409,600 | - | yes |" in report
 
 
 def test_adamw_compares_one_step_per_level_against_pytorchs_adamw():
