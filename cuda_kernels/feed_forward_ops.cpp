@@ -2,13 +2,18 @@
 // ours (feed_forward.cu, feed_forward_cpu.cpp); the autograd formulas and the registration laid out as
 // swish_ops.cpp explains, with binding.h's helpers.
 //
-//   linear_forward(x, weight, bias?)                           -> y = x weight^T + bias
+//   linear_forward(x, weight, bias?)                           -> y = x weight^T + bias    (x: (..., in_features))
 //   linear_backward(grad_out, x, weight)                       -> (grad_x, grad_weight, grad_bias)
 //   feed_forward_forward(x, fc_weight, fc_bias?, proj_weight, proj_bias?)
 //                                                              -> (y, pre_activation, activation)
 //   feed_forward_backward(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
 //                                                              -> (grad_x, grad_fc_weight, grad_fc_bias,
 //                                                                  grad_proj_weight, grad_proj_bias)
+//
+// x comes as the model holds it, (..., features), the tokens in its leading dims; y, grad_x and grad_out
+// have x's leading dims. The GEMMs read x as a (rows, features) matrix, a view made here, below autograd
+// (as_rows), so the caller makes none: each view it made was a tensor object in the forward and an
+// autograd node in the backward, six per GPT-2 layer.
 //
 // A matmul of these sizes is compute-bound, and cuBLAS's tensor-core GEMMs (MKL or oneDNN on the CPU) are
 // its ceiling, so level 5 calls them through ATen. A bias goes in at::addmm, which hands a 1-D bias to
@@ -29,14 +34,36 @@
 namespace kernel_ladder {
 namespace {
 
-// x (rows, K) and an nn.Linear weight (N, K), of one dtype and device.
+// x (..., K) and an nn.Linear weight (N, K), of one dtype and device.
 void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight, const char* weight_name) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "cuda_kernels::", op, ": x must be a (rows, features) matrix, got shape ", x.sym_sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1, "cuda_kernels::", op, ": x must be (..., features), got a scalar");
   TORCH_CHECK_VALUE(weight.dim() == 2, "cuda_kernels::", op, ": ", weight_name,
                     " must be an (out_features, in_features) matrix, got shape ", weight.sym_sizes());
-  TORCH_CHECK_VALUE(weight.sym_size(1) == x.sym_size(1), "cuda_kernels::", op, ": x has ", x.sym_size(1), " features but ",
-                    weight_name, " expects ", weight.sym_size(1));
+  TORCH_CHECK_VALUE(weight.sym_size(1) == x.sym_size(-1), "cuda_kernels::", op, ": x has ", x.sym_size(-1),
+                    " features but ", weight_name, " expects ", weight.sym_size(1));
   check_argument(op, weight_name, weight, x, x.scalar_type(), weight.sym_sizes());
+}
+
+// x (..., K) as the (rows, K) matrix the GEMMs read: a view of an x whose leading dims flatten into one
+// (every activation the levels pass), otherwise a copy, made once.
+at::Tensor as_rows(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}); }
+
+// The shape of an output row for row with x: x's leading dims, then `features`.
+c10::SymDimVector rows_of(const at::Tensor& x, const c10::SymInt& features) {
+  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  shape.push_back(features);
+  return shape;
+}
+
+// y (rows, n), made from as_rows(x), with x's leading dims: (..., n).
+at::Tensor in_rows_of(const at::Tensor& x, const at::Tensor& y) {
+  return x.dim() == 2 ? y : y.view_symint(rows_of(x, y.sym_size(1)));
+}
+
+c10::SymInt row_count(const at::Tensor& x) {
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
+  return rows;
 }
 
 void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& bias, const at::Tensor& x,
@@ -95,23 +122,23 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   kernel_dtype(op, x);  // the level's dtypes, though only cuBLAS runs here: the backward's kernel must take them
   check_linear(op, x, weight, "weight");
   check_bias(op, "bias", bias, x, weight.sym_size(0));
-  if (x.is_meta()) return at::empty_symint({x.sym_size(0), weight.sym_size(0)}, x.options());
+  if (x.is_meta()) return at::empty_symint(rows_of(x, weight.sym_size(0)), x.options());
   // ATen's matmuls take any strides (cuBLAS transposes for free): nothing to make contiguous here.
-  return matmul_transposed(x, weight, bias);
+  return in_rows_of(x, matmul_transposed(as_rows(x), weight, bias));
 }
 
 TensorTriple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight) {
   const char* op = "linear_backward";
   const DType dtype = kernel_dtype(op, x);
   check_linear(op, x, weight, "weight");
-  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), {x.sym_size(0), weight.sym_size(0)});
+  check_argument(op, "grad_out", grad_out, x, x.scalar_type(), rows_of(x, weight.sym_size(0)));
   if (x.is_meta()) {
     return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
             at::empty_symint({weight.sym_size(0)}, weight.options())};
   }
-  const at::Tensor dy = grad_out.contiguous();  // our column-sum kernel reads it linearly
+  const at::Tensor dy = as_rows(grad_out).contiguous();  // our column-sum kernel reads it linearly
   // With no rows the two matmuls over rows give zeros, and column_sums launches nothing.
-  return {at::mm(dy, weight), at::mm(dy.t(), x), column_sums(dtype, dy)};
+  return {in_rows_of(x, at::mm(dy, weight)), at::mm(dy.t(), as_rows(x)), column_sums(dtype, dy)};
 }
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -143,11 +170,11 @@ at::Tensor linear_forward_autograd(const at::Tensor& x, const at::Tensor& weight
 
 // --- the feed-forward block --------------------------------------------------------------------------------
 
-// x (rows, C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C. Either weight
+// x (..., C), fc_weight (H, C), proj_weight (C, H): the hidden layer's H features come back to C. Either weight
 // may be the transpose of a contiguous matrix (a Conv1D's): ATen's matmuls read it in place (weight_gradient).
 void check_feed_forward(const char* op, const at::Tensor& x, const at::Tensor& fc_weight, const at::Tensor& proj_weight) {
   check_linear(op, x, fc_weight, "fc_weight");
-  check_argument(op, "proj_weight", proj_weight, x, x.scalar_type(), {x.sym_size(1), fc_weight.sym_size(0)});
+  check_argument(op, "proj_weight", proj_weight, x, x.scalar_type(), {x.sym_size(-1), fc_weight.sym_size(0)});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(const at::Tensor& x, const at::Tensor& fc_weight,
@@ -162,14 +189,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(const at::Te
                     ": give both biases or neither (fc_bias is ", fc_bias.has_value() ? "given" : "None",
                     ", proj_bias is ", proj_bias.has_value() ? "given" : "None", ")");
   check_bias(op, "fc_bias", fc_bias, x, fc_weight.sym_size(0));
-  check_bias(op, "proj_bias", proj_bias, x, x.sym_size(1));
+  check_bias(op, "proj_bias", proj_bias, x, x.sym_size(-1));
   if (x.is_meta()) {
-    at::Tensor pre_activation = at::empty_symint({x.sym_size(0), fc_weight.sym_size(0)}, x.options());
+    at::Tensor pre_activation = at::empty_symint({row_count(x), fc_weight.sym_size(0)}, x.options());
     return {at::empty_symint(x.sym_sizes(), x.options()), pre_activation, at::empty_like(pre_activation)};
   }
   // h = x W_fc^T + b_fc, bias in the GEMM's epilogue: h is written once, by cuBLAS. (Adding b_fc in our
   // GELU kernel instead would cost one more write of h.)
-  at::Tensor pre_activation = matmul_transposed(x, fc_weight, fc_bias);
+  at::Tensor pre_activation = matmul_transposed(as_rows(x), fc_weight, fc_bias);
   at::Tensor activation = at::empty_like(pre_activation);
   if (pre_activation.numel() > 0) {  // no 0-block launch
     run_on_device_of(
@@ -180,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward(const at::Te
         },
         [&] { gelu_forward_cpu(dtype, pre_activation.const_data_ptr(), activation.mutable_data_ptr(), pre_activation.numel()); });
   }
-  return {matmul_transposed(activation, proj_weight, proj_bias), pre_activation, activation};
+  return {in_rows_of(x, matmul_transposed(activation, proj_weight, proj_bias)), pre_activation, activation};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_backward(
@@ -189,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   const char* op = "feed_forward_backward";
   const DType dtype = kernel_dtype(op, x);
   check_feed_forward(op, x, fc_weight, proj_weight);
-  const c10::SymInt rows = x.sym_size(0), hidden = fc_weight.sym_size(0);
+  const c10::SymInt rows = row_count(x), hidden = fc_weight.sym_size(0);
   check_argument(op, "grad_out", grad_out, x, x.scalar_type(), x.sym_sizes());
   check_argument(op, "pre_activation", pre_activation, x, x.scalar_type(), {rows, hidden});
   check_argument(op, "activation", activation, x, x.scalar_type(), {rows, hidden});
@@ -197,9 +224,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
     // The weights' gradients in the weights' layouts, as weight_gradient makes them.
     return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_like(fc_weight),
             at::empty_symint({hidden}, x.options()), at::empty_like(proj_weight),
-            at::empty_symint({x.sym_size(1)}, x.options())};
+            at::empty_symint({x.sym_size(-1)}, x.options())};
   }
-  const at::Tensor dy = grad_out.contiguous(), h = pre_activation.contiguous();
+  const at::Tensor dy = as_rows(grad_out).contiguous(), h = pre_activation.contiguous(), rows_of_x = as_rows(x);
   // da = dy W_proj by cuBLAS (a fresh contiguous matrix); then our kernel turns it into dh = da * gelu'(h)
   // in place, summing dh's columns (b_fc's gradient) in the same pass.
   at::Tensor grad_hidden = at::mm(dy, proj_weight);
@@ -213,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
         gelu_backward_cpu(dtype, grad_hidden.mutable_data_ptr(), h.const_data_ptr(), sums, grad_hidden.size(0),
                           grad_hidden.size(1));
       });
-  return {at::mm(grad_hidden, fc_weight), weight_gradient(grad_hidden, x, fc_weight), grad_fc_bias,
+  return {in_rows_of(x, at::mm(grad_hidden, fc_weight)), weight_gradient(grad_hidden, rows_of_x, fc_weight), grad_fc_bias,
           weight_gradient(dy, activation, proj_weight), column_sums(dtype, dy)};
 }
 

@@ -304,14 +304,14 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias) of x (rows, K) and an nn.Linear weight (N, K), differentiable: the matmuls are
+    """x @ weight^T (+ bias) of x (..., K) and an nn.Linear weight (N, K), differentiable: the matmuls are
     cuBLAS's through ATen (bias in its epilogue), the bias gradient our column-sum kernel."""
     return _linear_forward(x, weight, bias)
 
 
 def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None, proj_weight: torch.Tensor,
                  proj_bias: torch.Tensor | None) -> torch.Tensor:
-    """GPT-2's MLP, gelu_tanh(x fc_weight^T + fc_bias) proj_weight^T + proj_bias, of x (rows, C), differentiable:
+    """GPT-2's MLP, gelu_tanh(x fc_weight^T + fc_bias) proj_weight^T + proj_bias, of x (..., C), differentiable:
     cuBLAS matmuls around our GELU kernel and our fused GELU-backward + bias-gradient kernel. Both biases
     or neither. Returns only the output (the saved pre-activation and activation stay inside the
     autograd graph)."""

@@ -66,14 +66,16 @@ def linear(level: str, x, weight, bias=None):
     """``x @ weightᵀ + bias`` over the last dim of ``x``, computed the way ``level`` computes matmuls.
 
     Levels 1-3 call ``F.linear`` (cuBLAS on the GPU; Inductor lowers a lone linear to the same call,
-    so compiling it alone would only add guards). Levels 4 and 5 call their own ``linear`` op on the
-    (tokens, features) matrix: the Triton matmul at level 4, cuBLAS through ATen with our bias-gradient
-    kernel at level 5.
+    so compiling it alone would only add guards). Levels 4 and 5 call their own ``linear`` op: the
+    Triton matmul at level 4, on the (tokens, features) matrix; cuBLAS through ATen with our
+    bias-gradient kernel at level 5, whose op takes x as it comes and makes that matrix itself, below
+    autograd (the two views around the call were two autograd nodes a projection).
     """
     import torch.nn.functional as F
 
     if level in ("native", "torchscript", "compile"):
         return F.linear(x, weight, bias)
-    backend = triton_backend() if level == "triton" else cuda_backend()
+    if level == "cuda":
+        return cuda_backend().linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return backend.linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return triton_backend().linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -151,29 +151,27 @@ class FeedForwardCompiled(FeedForwardSpec):
         return _compiled_feed_forward()(x, *self.parameter_tensors())
 
 
-class _FeedForwardKernel(FeedForwardSpec):
-    """Levels 4 and 5 see the input as a contiguous (tokens, n_embd) matrix; ``backend`` is set by each level."""
-
-    def compute(self, x):
-        rows = x.reshape(-1, self.n_embd).contiguous()
-        return self.backend().feed_forward(rows, *self.parameter_tensors()).view(x.shape)
-
-
-class FeedForwardTriton(_FeedForwardKernel):
+class FeedForwardTriton(FeedForwardSpec):
     """Level 4: our Triton matmul with the bias + GELU epilogue (pre-activation and activation written
     once), and a backward whose gradient matmul multiplies by GELU's derivative in its epilogue."""
 
     level = "triton"
-    backend = staticmethod(triton_backend)
+
+    def compute(self, x):
+        rows = x.reshape(-1, self.n_embd).contiguous()  # the launchers take a contiguous (tokens, n_embd) matrix
+        return triton_backend().feed_forward(rows, *self.parameter_tensors()).view(x.shape)
 
 
-class FeedForwardCUDA(_FeedForwardKernel):
+class FeedForwardCUDA(FeedForwardSpec):
     """Level 5: cuBLAS matmuls (through ATen; the fc bias rides in cuBLAS's epilogue, so the hidden
     matrix is written once by the matmul and once as the activation) around our CUDA GELU kernel and
-    our fused GELU-backward + bias-gradient kernel; C++ CPU twins of both on the CPU."""
+    our fused GELU-backward + bias-gradient kernel; C++ CPU twins of both on the CPU. The op takes x as
+    it comes, (..., n_embd), and views it as a matrix itself, below autograd."""
 
     level = "cuda"
-    backend = staticmethod(cuda_backend)
+
+    def compute(self, x):
+        return cuda_backend().feed_forward(x, *self.parameter_tensors())
 
 
 IMPLEMENTATIONS = {

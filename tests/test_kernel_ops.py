@@ -192,7 +192,7 @@ def op_samples(namespace, device, dtype):
     mean = x.to(statistics_dtype).mean(-1)
     rstd = torch.rsqrt(x.to(statistics_dtype).var(-1, unbiased=False) + 1e-5)
     rms_rstd = torch.rsqrt(x.to(statistics_dtype).square().mean(-1) + 1e-6)
-    return [
+    samples = [
         ("swish_forward", (x.clone().requires_grad_(True), 1.5)),
         ("swish_backward", (grad, x, 1.5)),
         ("layer_norm_forward", (x.clone().requires_grad_(True), weight.clone().requires_grad_(True),
@@ -237,6 +237,18 @@ def op_samples(namespace, device, dtype):
                               grouped_v[:, :, :1].contiguous(), grouped_k.clone(), grouped_v.clone(),
                               torch.tensor([13], dtype=torch.int32, device=device), 0, 0.25)),
     ]
+    if namespace == "cuda_kernels":
+        # Level 5's linear and feed-forward take x as the model holds it, (..., features): tokens in its leading
+        # dims. (Level 4's launchers take the (tokens, features) matrix.)
+        samples += [
+            ("linear_forward", (x.view(2, 3, 37).clone().requires_grad_(True), fc_weight, fc_bias)),
+            ("linear_backward", (torch.randn(2, 3, 29, device=device, dtype=dtype), x.view(2, 3, 37), fc_weight)),
+            ("feed_forward_forward", (x.view(3, 2, 37).clone().requires_grad_(True), fc_weight, fc_bias, proj_weight,
+                                      proj_bias)),
+            ("feed_forward_backward", (grad.view(3, 2, 37), x.view(3, 2, 37), fc_weight, proj_weight, pre_activation,
+                                       activation)),
+        ]
+    return samples
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
