@@ -44,9 +44,17 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
   check_argument(op, weight_name, weight, x, x.scalar_type(), weight.sym_sizes());
 }
 
+// The product of x's leading dims: its rows.
+c10::SymInt row_count(const at::Tensor& x) {
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
+  return rows;
+}
+
 // x (..., K) as the (rows, K) matrix the GEMMs read: a view of an x whose leading dims flatten into one
-// (every activation the levels pass), otherwise a copy, made once.
-at::Tensor as_rows(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}); }
+// (every activation the levels pass), otherwise a copy, made once. (The rows counted, not -1: an empty
+// x with K = 0 has no inferable dim.)
+at::Tensor as_rows(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape_symint({row_count(x), x.sym_size(-1)}); }
 
 // The shape of an output row for row with x: x's leading dims, then `features`.
 c10::SymDimVector rows_of(const at::Tensor& x, const c10::SymInt& features) {
@@ -58,12 +66,6 @@ c10::SymDimVector rows_of(const at::Tensor& x, const c10::SymInt& features) {
 // y (rows, n), made from as_rows(x), with x's leading dims: (..., n).
 at::Tensor in_rows_of(const at::Tensor& x, const at::Tensor& y) {
   return x.dim() == 2 ? y : y.view_symint(rows_of(x, y.sym_size(1)));
-}
-
-c10::SymInt row_count(const at::Tensor& x) {
-  c10::SymInt rows = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
-  return rows;
 }
 
 void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& bias, const at::Tensor& x,
