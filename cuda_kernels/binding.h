@@ -73,15 +73,21 @@ inline void check_argument(const char* op, const char* name, const at::Tensor& t
   TORCH_CHECK_VALUE(t.sym_sizes() == shape, "cuda_kernels::", op, ": ", name, " has shape ", t.sym_sizes(), ", expected ", shape);
 }
 
+// The number of rows of x (..., n): the product of its leading dims (a SymInt, so that the Meta kernels
+// handle symbolic shapes).
+inline c10::SymInt row_count(const at::Tensor& x) {
+  c10::SymInt rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
+  return rows;
+}
+
 // The row-wise ops (LayerNorm, softmax) take x as it comes, (..., n), and work on its last dim: the
 // leading dims are the rows, so no caller needs a view (a tensor object and an autograd node each, which
-// at decode sizes cost about as much as the kernel). Returns the number of rows, the product of the
-// leading dims (a SymInt, so that the Meta kernel handles symbolic shapes), after checking that there is
+// at decode sizes cost about as much as the kernel). Returns row_count(x), after checking that there is
 // a last dim and that the rows fit the kernels' one-block-per-row grid.
 inline c10::SymInt leading_rows(const char* op, const at::Tensor& x) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "cuda_kernels::", op, ": x must have at least one dim (rows of N), got a scalar");
-  c10::SymInt rows = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
+  const c10::SymInt rows = row_count(x);
   TORCH_CHECK_VALUE(rows < (int64_t{1} << 31), "cuda_kernels::", op, ": at most 2^31 - 1 rows (one CUDA block each), got ",
                     rows, " (x has shape ", x.sym_sizes(), ")");
   return rows;

@@ -44,13 +44,6 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
   check_argument(op, weight_name, weight, x, x.scalar_type(), weight.sym_sizes());
 }
 
-// The product of x's leading dims: its rows.
-c10::SymInt row_count(const at::Tensor& x) {
-  c10::SymInt rows = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.sym_size(d);
-  return rows;
-}
-
 // x (..., K) as the (rows, K) matrix the GEMMs read: a view of an x whose leading dims flatten into one
 // (every activation the levels pass), otherwise a copy, made once. (The rows counted, not -1: an empty
 // x with K = 0 has no inferable dim.)
