@@ -31,7 +31,8 @@ The one idea that makes it fast
 Launch
     16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and
     dtype, timing only the tiles ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE
-    untimed. float32 (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss
+    untimed. The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice
+    directly, as every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). float32 (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss
     float32's tolerance) and float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU
     interpreter INTERPRETER_TILE: tuning there would time every candidate in a slow simulation.
     ``_tile_choice`` is the one place that decides. The column sum: two passes when there are many
@@ -276,6 +277,19 @@ def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
     return SMALL_MATMUL_TILE if multiply_adds < SMALL_MATMUL else None
 
 
+_tuned_tiles: dict[tuple, MatmulTile] = {}
+"""The tile the autotuner chose, per key: asked of it once, at a key's first call, which it times the
+candidates for. Every later call launches that tile through ``launch.launch``'s direct path. Sent through
+the autotuner instead, each call would pay its Python (the key rebuilt from a dict of every argument, the
+cache lookup) and then Triton's whole JITFunction.run, which ``launch`` skips for every other kernel.
+(Concurrent first calls from two threads could read each other's choice: still a correct tile.)"""
+
+
+def _tile_of(config: triton.Config) -> MatmulTile:
+    return MatmulTile(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps,
+                      config.num_stages)
+
+
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
                   pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype, or into ``out``,
@@ -294,13 +308,20 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         return out
     args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride(), out.stride(0))
     tile = _tile_choice(a.dtype, M * N * K)
-    constants = _matmul_constants(epilogue, bias is not None, a.dtype, tile)
-    with on_device(a):
+    if tile is None:
+        # The autotuner's own key: what it times candidates for, and what makes its choice differ.
+        key = (M, N, K, *a.stride(), *b.stride(), epilogue, a.dtype, out.dtype, bias is not None,
+               pre_activation is not None)
+        tile = _tuned_tiles.get(key)
         if tile is None:
-            launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
-                   **constants)
-        else:
-            launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args, **constants)
+            with on_device(a):
+                launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
+                       **_matmul_constants(epilogue, bias is not None, a.dtype, None))
+            _tuned_tiles[key] = _tile_of(_matmul_autotuned.best_config)
+            return out
+    with on_device(a):
+        launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args,
+               **_matmul_constants(epilogue, bias is not None, a.dtype, tile))
     return out
 
 
