@@ -90,12 +90,12 @@ def test_attention_of_heads_split_off_a_fused_projection_matches_float64(config,
     assert levels.relative_max_error(qkv.grad, reference_qkv.grad) <= tolerance
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_level_5_attention_output_merges_its_heads_without_a_copy(device):
-    """Level 5 writes the output in (batch, tokens, heads, head_dim) order, so that merging the heads back
-    into one row per token, as self-attention does before its output projection, is a view."""
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_attention_output_merges_its_heads_without_a_copy(level, device):
+    """Levels 4 and 5 write the output in (batch, tokens, heads, head_dim) order, so that merging the heads
+    back into one row per token, as self-attention does before its output projection, is a view."""
     q = torch.randn(2, 3, 5, 16, device=device)
-    out = levels.build("attention", "cuda", causal=True)(q, q, q)
+    out = levels.build("attention", level, causal=True)(q, q, q)
     assert out.transpose(1, 2).is_contiguous()
 
 

@@ -164,9 +164,9 @@ LEVEL_CASES = [
 ]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches (no GPU present)")
-@pytest.mark.parametrize("component,config,shapes", LEVEL_CASES, ids=[case[0] for case in LEVEL_CASES])
-def test_contiguous_inputs_and_gradients_reach_the_kernels_uncopied(component, config, shapes, monkeypatch):
+@pytest.fixture
+def kernel_arguments(monkeypatch):
+    """The addresses of every tensor the interpreter's kernels are launched with, as they are launched."""
     from triton.runtime.interpreter import InterpretedFunction
 
     addresses = set()
@@ -177,11 +177,32 @@ def test_contiguous_inputs_and_gradients_reach_the_kernels_uncopied(component, c
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return addresses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches (no GPU present)")
+@pytest.mark.parametrize("component,config,shapes", LEVEL_CASES, ids=[case[0] for case in LEVEL_CASES])
+def test_contiguous_inputs_and_gradients_reach_the_kernels_uncopied(component, config, shapes, kernel_arguments):
+    addresses = kernel_arguments
     module = levels.build(component, "triton", **config)
     inputs = [torch.randn(shape, requires_grad=True) for shape in shapes]
     grad = torch.randn(shapes[0])
     module(*inputs).backward(grad)
     assert {x.data_ptr() for x in inputs} | {grad.data_ptr()} <= addresses
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches (no GPU present)")
+def test_the_heads_of_a_fused_projection_and_their_gradient_reach_the_attention_kernels_uncopied(kernel_arguments):
+    """Self-attention's q, k, v are strided views of one projection, and the gradient of the output reaches
+    the attention as a strided view of the merged heads' gradient: level 4 reads them where they lie. Its
+    output is laid out so that merging the heads is a view."""
+    qkv = torch.randn(2, 8, 3, 2, 16, requires_grad=True)  # (batch, tokens, q k v, heads, head_dim)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    out = levels.build("attention", "triton", causal=True)(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()
+    grad = torch.randn(2, 8, 2, 16).transpose(1, 2)  # (batch, heads, tokens, head_dim) over (batch, tokens, ...)
+    out.backward(grad)
+    assert {q.data_ptr(), k.data_ptr(), v.data_ptr(), grad.data_ptr()} <= kernel_arguments
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's device and dtypes (no GPU present)")

@@ -18,9 +18,9 @@ Mask
 
 Limits
     head_dim a multiple of 8 from 8 to 256; k and v with H or a divisor of H heads (grouped-query
-    attention); any lengths (Lq ≤ Lk when causal); contiguous (B, H, L, D) tensors of
-    one dtype: float16, bfloat16, float32, float64 on the GPU, float32 and float64 under the
-    interpreter. lse is float32 (float64 for float64 inputs).
+    attention); any lengths (Lq ≤ Lk when causal); (B, H, L, D) tensors of any strides, read where they lie
+    when their rows allow it (attention_tiles.readable), of one dtype: float16, bfloat16, float32, float64
+    on the GPU, float32 and float64 under the interpreter. lse is float32 (float64 for float64 inputs).
 
 Check
     python -m pytest tests -k "attention and triton"
@@ -31,7 +31,7 @@ import torch
 
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import launch_attention_fwd
-from .attention_tiles import check_attention_shapes
+from .attention_tiles import check_attention_shapes, empty_attention_output, readable
 from .eager import EagerFunction
 from .launch import accumulator_dtype
 
@@ -47,7 +47,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, window, scale):
     check_attention_shapes("attention_forward", q, k, v, causal, window)
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
+    return empty_attention_output(q), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
 
 
 def _attention_forward_setup_context(ctx, inputs, output):
@@ -63,8 +63,9 @@ def _attention_forward_backward(ctx, grad_out, grad_lse):
     if not (needs_q or needs_k or needs_v):
         return None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
-    # Autograd may hand us a broadcast (stride-0) gradient, e.g. from out.sum().backward().
-    grad_q, grad_k, grad_v = attention_backward(grad_out.contiguous(), q, k, v, out, lse, *ctx.mask_and_scale)
+    # A gradient autograd hands over strided (the merged heads' view) or broadcast (stride 0, from
+    # out.sum().backward()) is read where it lies or copied once by the launcher (attention_tiles.readable).
+    grad_q, grad_k, grad_v = attention_backward(grad_out, q, k, v, out, lse, *ctx.mask_and_scale)
     return (grad_q if needs_q else None, grad_k if needs_k else None, grad_v if needs_v else None,
             None, None, None)
 
@@ -83,7 +84,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, window, scale):
     check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
                            per_query={"lse": lse})
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # --- what the levels call ------------------------------------------------------------------------------
@@ -94,9 +95,9 @@ class _AttentionEager(EagerFunction):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, window, scale):
-        # Copied here, inside the Function, a strided q, k or v (heads split off a fused projection)
-        # costs a copy kernel but no autograd node of its own; the gradients come back contiguous.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # The heads of a fused projection are read where they lie; an odd view is copied once, here,
+        # and the copy saved, so the backward does not copy it again. The gradients come back contiguous.
+        q, k, v = readable(q), readable(k), readable(v)
         out, lse = launch_attention_fwd(q, k, v, causal, window, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask_and_scale = (causal, window, scale)
@@ -104,7 +105,7 @@ class _AttentionEager(EagerFunction):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_q, grad_k, grad_v = launch_attention_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors,
+        grad_q, grad_k, grad_v = launch_attention_bwd_unchecked(grad_out, *ctx.saved_tensors,
                                                                 *ctx.mask_and_scale)
         return grad_q, grad_k, grad_v, None, None, None
 
@@ -113,11 +114,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
               scale: float) -> torch.Tensor:
     """Flash attention of q (B, H, Lq, D) over k, v (B, Hkv, Lk, D), H a multiple of Hkv, by our kernels,
     differentiable; returns only the output (lse stays saved for the backward). q, k and v may be strided
-    (the kernels get contiguous copies). torch.compile sees the registered op."""
+    (read where they lie, as the heads of a fused projection are, or copied once: attention_tiles.readable);
+    the output is laid out (B, Lq, H, D), so merging its heads is a view. torch.compile sees the registered op."""
     causal, window, scale = bool(causal), int(window), float(scale)
     if torch.compiler.is_compiling():
-        return attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, window, scale)[0]
+        return attention_forward(q, k, v, causal, window, scale)[0]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # No gradient wanted: skip autograd
-        return launch_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, window, scale)[0]
+        return launch_attention_fwd(q, k, v, causal, window, scale)[0]
     return _AttentionEager.apply(q, k, v, causal, window, scale)

@@ -55,13 +55,17 @@ import triton.language as tl
 from .attention_tiles import (
     LOG2E,
     AttentionTile,
+    aligned,
     check_attention_shapes,
+    head_start,
+    head_strides,
     key_block_range,
     keys_visible,
     load_per_query,
     load_rows,
     padded_head_dim,
     query_block_of_program,
+    readable,
     store_rows,
     wide_float_tile,
 )
@@ -99,17 +103,20 @@ def backward_tiles(block_d: int, dtype: torch.dtype) -> BackwardTiles:
     return BackwardTiles(wide_float_tile(block_d), wide_float_tile(block_d))
 
 
-@triton.jit
-def _attention_bwd_delta_kernel(Out, DOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(do_not_specialize=["query_length"])
+def _attention_bwd_delta_kernel(Out, DOut, Delta, query_length, heads, stride_ob, stride_oh, stride_om, stride_dob,
+                                stride_doh, stride_dom, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_ROWS: tl.constexpr, COMPUTE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
-    columns = tl.arange(0, BLOCK_D)
-    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + columns[None, :]
-    mask = row_mask[:, None] & (columns < HEAD_DIM)[None, :]
-    o = tl.load(Out + offsets, mask=mask, other=0.0).to(COMPUTE)
-    do = tl.load(DOut + offsets, mask=mask, other=0.0).to(COMPUTE)
-    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=row_mask)
+    # Program (i, batch·head): queries i·BLOCK_ROWS … of one head.
+    batch_head = tl.program_id(1).to(tl.int64)
+    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om)
+    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
+    queries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    o = load_rows(Out + head_start(batch_head, heads, stride_ob, stride_oh), queries, query_length, stride_om, HEAD_DIM,
+                  BLOCK_D, True).to(COMPUTE)
+    do = load_rows(DOut + head_start(batch_head, heads, stride_dob, stride_doh), queries, query_length, stride_dom,
+                   HEAD_DIM, BLOCK_D, True).to(COMPUTE)
+    tl.store(Delta + batch_head * query_length + queries, tl.sum(o * do, axis=1), mask=queries < query_length)
 
 
 # --- dk, dv: a program per key block ------------------------------------------------------------------
@@ -141,8 +148,9 @@ def _query_block_range(first_key, query_length, key_length, window, BLOCK_M: tl.
 
 
 @triton.jit
-def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, end, query_length, key_length,
-                              window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, q_row_stride, do_row_stride, keys, start, end,
+                              query_length, key_length, window, qk_scale, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
     """Add the query blocks start … end into a key block's dk and dv. Tiles are (keys, queries):
@@ -150,8 +158,8 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
     for block_start in range(start, end, BLOCK_M):
         queries = block_start + tl.arange(0, BLOCK_M)
         # rows past query_length read as q = do = 0, so they add nothing to dk and dv
-        q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, MASKED)
-        do = load_rows(DOut, queries, query_length, HEAD_DIM, BLOCK_D, MASKED)
+        q = load_rows(Q, queries, query_length, q_row_stride, HEAD_DIM, BLOCK_D, MASKED)
+        do = load_rows(DOut, queries, query_length, do_row_stride, HEAD_DIM, BLOCK_D, MASKED)
         lse = load_per_query(LSE, queries, query_length, MASKED)
         delta = load_per_query(Delta, queries, query_length, MASKED)
         # pᵀ rebuilt from the saved log-sum-exp, in base 2 as the forward computed it
@@ -167,24 +175,31 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, keys, start, en
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, group, window, scale_high,
-                               scale_low, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, heads, group, window,
+                               scale_high, scale_low, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr,
                                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     # Key blocks fastest, in order: with a causal mask the first key blocks are seen by the most
-    # queries, so the longest programs start first. A program owns a block of one kv head.
+    # queries, so the longest programs start first. A program owns a block of one kv head. dk and dv
+    # are contiguous (the launcher allocates them so), k and v strided as they came.
     key_blocks = tl.cdiv(key_length, BLOCK_N)
     first_key = tl.program_id(0) % key_blocks * BLOCK_N
     kv_head = (tl.program_id(0) // key_blocks).to(tl.int64)
-    K += kv_head * key_length * HEAD_DIM
-    V += kv_head * key_length * HEAD_DIM
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
+    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
+    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
+    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
     DK += kv_head * key_length * HEAD_DIM
     DV += kv_head * key_length * HEAD_DIM
 
     keys = first_key + tl.arange(0, BLOCK_N)
-    k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, True)
-    v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, True)
+    k = load_rows(K, keys, key_length, stride_kn, HEAD_DIM, BLOCK_D, True)
+    v = load_rows(V, keys, key_length, stride_vn, HEAD_DIM, BLOCK_D, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     dk = tl.zeros((BLOCK_N, BLOCK_D), COMPUTE)
     dv = tl.zeros((BLOCK_N, BLOCK_D), COMPUTE)
@@ -196,36 +211,37 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     # order, with no atomics: bit-identical on every run.
     for head in range(group):
         batch_head = kv_head * group + head
-        Qh = Q + batch_head * query_length * HEAD_DIM
-        DOuth = DOut + batch_head * query_length * HEAD_DIM
+        Qh = Q + head_start(batch_head, heads, stride_qb, stride_qh)
+        DOuth = DOut + head_start(batch_head, heads, stride_dob, stride_doh)
         LSEh = LSE + batch_head * query_length
         Deltah = Delta + batch_head * query_length
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, lo, full_lo, query_length,
-                                           key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-                                           CAUSAL, WINDOWED, DOT_PRECISION)
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, full_lo, full_hi,
-                                           query_length, key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D,
-                                           BLOCK_M, False, CAUSAL, WINDOWED, DOT_PRECISION)
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, keys, full_hi, hi, query_length,
-                                           key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_M, True,
-                                           CAUSAL, WINDOWED, DOT_PRECISION)
-    store_rows(DK, keys, key_length, dk * scale, HEAD_DIM, BLOCK_D)
-    store_rows(DV, keys, key_length, dv, HEAD_DIM, BLOCK_D)
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys, lo,
+                                           full_lo, query_length, key_length, window, scale * LOG2E, HEAD_DIM,
+                                           BLOCK_D, BLOCK_M, True, CAUSAL, WINDOWED, DOT_PRECISION)
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys,
+                                           full_lo, full_hi, query_length, key_length, window, scale * LOG2E,
+                                           HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, WINDOWED, DOT_PRECISION)
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys,
+                                           full_hi, hi, query_length, key_length, window, scale * LOG2E, HEAD_DIM,
+                                           BLOCK_D, BLOCK_M, True, CAUSAL, WINDOWED, DOT_PRECISION)
+    store_rows(DK, keys, key_length, HEAD_DIM, dk * scale, HEAD_DIM, BLOCK_D)
+    store_rows(DV, keys, key_length, HEAD_DIM, dv, HEAD_DIM, BLOCK_D)
 
 
 # --- dq: a program per query block --------------------------------------------------------------------
 
 
 @triton.jit
-def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, query_length, key_length, window,
-                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, k_row_stride, v_row_stride, queries, start, end,
+                            query_length, key_length, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr,
                             MASKED: tl.constexpr,
                             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the key blocks start … end into a query block's dq."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
-        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_rows(K, keys, key_length, k_row_stride, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_rows(V, keys, key_length, v_row_stride, HEAD_DIM, BLOCK_D, MASKED)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(keys_visible(queries[:, None], keys[None, :], query_length, key_length, window, CAUSAL,
@@ -237,23 +253,30 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, start, end, q
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, group, window, scale_high,
-                             scale_low, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, heads, group, window,
+                             scale_high, scale_low, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr,
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
-    Q += batch_head * query_length * HEAD_DIM
-    DOut += batch_head * query_length * HEAD_DIM
-    DQ += batch_head * query_length * HEAD_DIM
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
+    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
+    Q += head_start(batch_head, heads, stride_qb, stride_qh)
+    DOut += head_start(batch_head, heads, stride_dob, stride_doh)
+    DQ += batch_head * query_length * HEAD_DIM  # contiguous, as the launcher allocates it
     LSE += batch_head * query_length
     Delta += batch_head * query_length
-    K += batch_head // group * key_length * HEAD_DIM  # the kv head of this query head's group
-    V += batch_head // group * key_length * HEAD_DIM
+    kv_head = batch_head // group  # the kv head of this query head's group
+    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
+    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, queries, query_length, HEAD_DIM, BLOCK_D, True)
-    do = load_rows(DOut, queries, query_length, HEAD_DIM, BLOCK_D, True)
+    q = load_rows(Q, queries, query_length, stride_qm, HEAD_DIM, BLOCK_D, True)
+    do = load_rows(DOut, queries, query_length, stride_dom, HEAD_DIM, BLOCK_D, True)
     lse2 = load_per_query(LSE, queries, query_length, True) * LOG2E
     delta = load_per_query(Delta, queries, query_length, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
@@ -261,13 +284,16 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
 
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOWED)
-    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, lo, full_lo, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_lo, full_hi, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION)
-    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, queries, full_hi, hi, query_length, key_length,
-                                 window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    store_rows(DQ, queries, query_length, dq * scale, HEAD_DIM, BLOCK_D)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, queries, lo, full_lo, query_length,
+                                 key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
+                                 WINDOWED, DOT_PRECISION)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, queries, full_lo, full_hi,
+                                 query_length, key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                                 CAUSAL, WINDOWED, DOT_PRECISION)
+    dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, queries, full_hi, hi, query_length,
+                                 key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
+                                 WINDOWED, DOT_PRECISION)
+    store_rows(DQ, queries, query_length, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
 
 
 # --- launcher ------------------------------------------------------------------------------------------
@@ -287,8 +313,9 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
     batch, heads, query_length, head_dim = q.shape
     kv_heads, key_length = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    grad_out, q, k, v, out = readable(grad_out), readable(q), readable(k), readable(v), readable(out)
+    grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
     delta = torch.empty_like(lse)
     block_d = padded_head_dim(head_dim)
     tiles = backward_tiles(block_d, q.dtype)
@@ -296,13 +323,16 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
                   COMPUTE=compute_dtype(q.dtype),
                   DOT_PRECISION=dot_input_precision(q.dtype))
     scale_halves = split_float(scale)
+    grad_out_strides = head_strides(grad_out)
+    strides = (*head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides)
     with on_device(q):
-        launch(_attention_bwd_delta_kernel, (cdiv(delta.numel(), DELTA_ROWS),), out, grad_out, delta, delta.numel(),
-               HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
+        launch(_attention_bwd_delta_kernel, (cdiv(query_length, DELTA_ROWS), batch * heads), out, grad_out, delta,
+               query_length, heads, *head_strides(out), *grad_out_strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
+               BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
         tile = tiles.key_blocks
         launch(_attention_bwd_dkdv_kernel, (cdiv(key_length, tile.block_n) * batch * kv_heads,), q, k, v, grad_out,
-               lse, delta, grad_k, grad_v, query_length, key_length, heads // kv_heads, window, *scale_halves,
-               BLOCK_M=tile.block_m,
+               lse, delta, grad_k, grad_v, query_length, key_length, heads, heads // kv_heads, window, *scale_halves,
+               *strides, BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
         if key_length == 1 or (causal and window == 1):
             # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q
@@ -310,6 +340,7 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
             return grad_q.zero_(), grad_k.zero_(), grad_v
         tile = tiles.query_blocks
         launch(_attention_bwd_dq_kernel, (cdiv(query_length, tile.block_m) * batch * heads,), q, k, v, grad_out, lse,
-               delta, grad_q, query_length, key_length, heads // kv_heads, window, *scale_halves, BLOCK_M=tile.block_m,
+               delta, grad_q, query_length, key_length, heads, heads // kv_heads, window, *scale_halves, *strides,
+               BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
     return grad_q, grad_k, grad_v

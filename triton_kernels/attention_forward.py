@@ -57,7 +57,8 @@ Limits
     on a tile padded to a power of two: attention_tiles.py); k and v may have
     fewer heads than q (grouped-query attention); any sequence lengths (the last blocks are masked); float16,
     bfloat16, float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32
-    (float64 for float64); float32 and float64 under the CPU interpreter. Contiguous (B, H, L, D) inputs.
+    (float64 for float64); float32 and float64 under the CPU interpreter. (B, H, L, D) inputs, read where
+    they lie when their rows are (``attention_tiles.readable``); the output is laid out (B, L, H, D).
 
 Check
     python -m pytest tests -k "attention and triton"
@@ -73,13 +74,18 @@ import triton.language as tl
 from .attention_tiles import (
     LOG2E,
     AttentionTile,
+    aligned,
     check_attention_shapes,
+    empty_attention_output,
     head_dim_slices,
+    head_start,
+    head_strides,
     key_block_range,
     keys_visible,
     load_columns,
     padded_head_dim,
     query_block_of_program,
+    readable,
     store_columns,
     wide_float_tile,
 )
@@ -150,8 +156,8 @@ def forward_tile(head_dim: int, dtype: torch.dtype, windowed: bool = False) -> A
 
 
 @triton.jit
-def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, start, end, query_length,
-                     key_length, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, k_row_stride, v_row_stride, queries, start, end,
+                     query_length, key_length, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      REST_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                      WINDOWED: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP2: tl.constexpr):
     """Merge the key blocks start … end into the running (acc, row_sum, row_max) of a query block: the
@@ -162,10 +168,10 @@ def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, 
     REST_D = 0 those two are passed through untouched."""
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        k = load_columns(K, keys, key_length, HEAD_DIM, 0, BLOCK_D, MASKED)
+        k = load_columns(K, keys, key_length, k_row_stride, HEAD_DIM, 0, BLOCK_D, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if REST_D > 0:
-            k_rest = load_columns(K, keys, key_length, HEAD_DIM, BLOCK_D, REST_D, MASKED)
+            k_rest = load_columns(K, keys, key_length, k_row_stride, HEAD_DIM, BLOCK_D, REST_D, MASKED)
             scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=DOT_PRECISION, out_dtype=scores.dtype)
         scores = scores * qk_scale  # base-2 units with EXP2
         if MASKED:
@@ -182,13 +188,13 @@ def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, 
             p = tl.exp(scores - shift[:, None])
             rescale = tl.exp(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = load_columns(V, keys, key_length, HEAD_DIM, 0, BLOCK_D, MASKED)
+        v = load_columns(V, keys, key_length, v_row_stride, HEAD_DIM, 0, BLOCK_D, MASKED)
         # p goes into the second matmul in the inputs' precision, as tensor cores take it; acc stays in
         # the compute precision (out_dtype: a float64 accumulator must say so, tl.dot's default is float32).
         p = p.to(v.dtype)
         acc = tl.dot(p, v, acc * rescale[:, None], input_precision=DOT_PRECISION, out_dtype=acc.dtype)
         if REST_D > 0:
-            v_rest = load_columns(V, keys, key_length, HEAD_DIM, BLOCK_D, REST_D, MASKED)
+            v_rest = load_columns(V, keys, key_length, v_row_stride, HEAD_DIM, BLOCK_D, REST_D, MASKED)
             acc_rest = tl.dot(p, v_rest, acc_rest * rescale[:, None], input_precision=DOT_PRECISION,
                               out_dtype=acc_rest.dtype)
         row_max = new_max
@@ -196,24 +202,31 @@ def merge_key_blocks(acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, 
 
 
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
-def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, window, scale_high, scale_low,
+def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, heads, group, window, scale_high, scale_low,
+                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                          stride_vn, stride_ob, stride_oh, stride_om,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REST_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)
-    Q += batch_head * query_length * HEAD_DIM
-    Out += batch_head * query_length * HEAD_DIM
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
+    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om)
+    Q += head_start(batch_head, heads, stride_qb, stride_qh)
+    Out += head_start(batch_head, heads, stride_ob, stride_oh)
     LSE += batch_head * query_length
-    K += batch_head // group * key_length * HEAD_DIM  # the kv head of this query head's group
-    V += batch_head // group * key_length * HEAD_DIM
+    kv_head = batch_head // group  # the kv head of this query head's group
+    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
+    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
 
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_columns(Q, queries, query_length, HEAD_DIM, 0, BLOCK_D, True)  # stays on chip for the whole loop
+    q = load_columns(Q, queries, query_length, stride_qm, HEAD_DIM, 0, BLOCK_D, True)  # on chip for the whole loop
     qk_scale = (tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)) * LOG2E
     acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
     q_rest, acc_rest = q, acc  # one slice: placeholders merge_key_blocks passes through
     if REST_D > 0:
-        q_rest = load_columns(Q, queries, query_length, HEAD_DIM, BLOCK_D, REST_D, True)
+        q_rest = load_columns(Q, queries, query_length, stride_qm, HEAD_DIM, BLOCK_D, REST_D, True)
         acc_rest = tl.zeros((BLOCK_M, REST_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
@@ -221,21 +234,21 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, group, wi
     lo, full_lo, full_hi, hi = key_block_range(first_query, query_length, key_length, window, BLOCK_M,
                                                 BLOCK_N, CAUSAL, WINDOWED)
     acc, acc_rest, row_sum, row_max = merge_key_blocks(
-        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, lo, full_lo, query_length, key_length, window,
-        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, stride_kn, stride_vn, queries, lo, full_lo, query_length,
+        key_length, window, qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
     acc, acc_rest, row_sum, row_max = merge_key_blocks(
-        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, full_lo, full_hi, query_length, key_length, window,
-        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION, True)
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, stride_kn, stride_vn, queries, full_lo, full_hi, query_length,
+        key_length, window, qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, False, CAUSAL, WINDOWED, DOT_PRECISION, True)
     acc, acc_rest, row_sum, row_max = merge_key_blocks(
-        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, queries, full_hi, hi, query_length, key_length, window,
-        qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
+        acc, acc_rest, row_sum, row_max, q, q_rest, K, V, stride_kn, stride_vn, queries, full_hi, hi, query_length,
+        key_length, window, qk_scale, HEAD_DIM, BLOCK_D, REST_D, BLOCK_N, True, CAUSAL, WINDOWED, DOT_PRECISION, True)
     # Rows past query_length saw only padding: their ℓ may be 0, and their stores are masked.
     query_mask = queries < query_length
     row_sum = tl.where(query_mask, row_sum, 1.0)
     inverse_sum = (1.0 / row_sum)[:, None]
-    store_columns(Out, queries, query_length, acc * inverse_sum, HEAD_DIM, 0, BLOCK_D)
+    store_columns(Out, queries, query_length, stride_om, acc * inverse_sum, HEAD_DIM, 0, BLOCK_D)
     if REST_D > 0:
-        store_columns(Out, queries, query_length, acc_rest * inverse_sum, HEAD_DIM, BLOCK_D, REST_D)
+        store_columns(Out, queries, query_length, stride_om, acc_rest * inverse_sum, HEAD_DIM, BLOCK_D, REST_D)
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
@@ -243,9 +256,10 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_shapes("attention_forward", q, k, v, causal, window)
     check_inputs("attention_forward", q, k, v)
+    q, k, v = readable(q), readable(k), readable(v)
     batch, heads, query_length, head_dim = q.shape
     key_length = k.shape[2]
-    out = torch.empty_like(q)
+    out = empty_attention_output(q)
     lse = torch.empty((batch, heads, query_length), dtype=accumulator_dtype(q.dtype), device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -255,8 +269,9 @@ def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
     programs = cdiv(query_length, tile.block_m) * batch * heads
     with on_device(q):
-        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, heads // k.shape[1],
-               window, *split_float(scale), HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
+        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, heads,
+               heads // k.shape[1], window, *split_float(scale), *head_strides(q), *head_strides(k), *head_strides(v),
+               *head_strides(out), HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
                BLOCK_N=tile.block_n, CAUSAL=causal,
                WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
                DOT_PRECISION=dot_input_precision(q.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)

@@ -14,6 +14,13 @@ Padding 80 to 128 would spend 37.5 % of every matmul on zeros; two slices spend 
 
 Grouped-query attention. k and v may have fewer heads than q (H a multiple of Hkv): a program of query
 head batch·H + h reads kv head batch·Hkv + h // group, which is simply (batch·H + h) // group.
+
+Operands where they lie. Self-attention splits q, k and v off one fused projection (batch, tokens, 3, H, D)
+as strided (batch, heads, tokens, head_dim) views, and merges the heads back as one row of H·D per token.
+The kernels take every operand's (batch, head, row) strides (``readable``, ``head_strides``, ``head_start``)
+instead of asking for contiguous copies, and the forward writes its output token-major
+(``empty_attention_output``), where copies had cost self-attention five tensors a layer, forward and
+backward: q, k, v and the merged heads forward, the gradient of the output backward.
 """
 
 import functools
@@ -28,6 +35,10 @@ from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_d
 from .launch import accumulator_dtype, check_contiguous, next_power_of_2, require
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
+
+ROW_ALIGNMENT = tl.constexpr(8)
+"""Elements that every stride of an operand the kernels read in place is a multiple of (``readable``):
+16 bytes in 16-bit dtypes and more in wider ones, so rows load as 16-byte vectors (``aligned``)."""
 
 
 class AttentionTile(NamedTuple):
@@ -75,7 +86,8 @@ def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
                            window: int, like_q: dict | None = None, per_query: dict | None = None) -> None:
     """q is (B, H, Lq, D), k and v are (B, Hkv, Lk, D) of q's dtype with H a multiple of Hkv, D a
     supported head dim, and causal attention has Lq ≤ Lk; ``like_q`` tensors match q, ``per_query``
-    ones are (B, H, Lq) statistics in the accumulator dtype. All contiguous."""
+    ones are (B, H, Lq) statistics in the accumulator dtype, contiguous. q, k, v and the ``like_q`` tensors
+    may be strided: the launchers read them where they lie or copy them once (``readable``)."""
     require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
             lambda: f"{op}: q, k, v must be (batch, heads, seq, head_dim), got shapes {tuple(q.shape)}, "
                     f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -99,7 +111,38 @@ def check_attention_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
         require(tensor.shape == q.shape[:3] and tensor.dtype == accumulator_dtype(q.dtype),
                 lambda: f"{op}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected "
                         f"{tuple(q.shape[:3])} {accumulator_dtype(q.dtype)}")
-    check_contiguous(op, q, k, v, *(like_q or {}).values(), *(per_query or {}).values())
+    check_contiguous(op, *(per_query or {}).values())
+
+
+# --- operands where they lie ----------------------------------------------------------------------
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a (batch, heads, rows, head_dim) operand, if the kernels can read it where it lies, else its
+    contiguous copy, made once, on purpose. Readable: the head_dim values of a row are contiguous, the
+    other strides are multiples of ROW_ALIGNMENT, and a head's rows span less than 2^31 elements (row
+    offsets are 32-bit in the kernels' loops). A dim of size 1 is never stepped along: its stride does
+    not count."""
+    size, stride = t.shape, t.stride()
+    if ((size[3] > 1 and stride[3] != 1) or size[2] * stride[2] >= 2**31
+            or any(size[dim] > 1 and stride[dim] % ROW_ALIGNMENT.value for dim in range(3))):
+        return t.contiguous()
+    return t
+
+
+def head_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The (batch, head, row) strides of a readable operand, 0 for a dim of size 1 (never stepped along,
+    and so a multiple of ROW_ALIGNMENT whatever its stride was)."""
+    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape[:3], t.stride()[:3]))
+
+
+def empty_attention_output(q: torch.Tensor) -> torch.Tensor:
+    """The forward's output, (batch, heads, query_length, head_dim) laid out as (batch, query_length,
+    heads, head_dim): the order in which self-attention's output projection reads the heads back, one
+    row of heads·head_dim per token, so that ``out.transpose(1, 2).reshape(batch, tokens, width)`` is a
+    view, not a copy (as level 5's output)."""
+    batch, heads, query_length, head_dim = q.shape
+    return q.new_empty((batch, query_length, heads, head_dim)).transpose(1, 2)
 
 # --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
 
@@ -116,20 +159,37 @@ def query_block_of_program(query_length, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def load_rows(Base, rows, row_count, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix as one (rows, BLOCK_D) tile; columns past
-    HEAD_DIM read as 0. MASKED: rows past row_count read as 0; blocks known to lie inside skip the
-    compare and, at a power-of-two head dim, load as plain 16-byte copies."""
-    return load_columns(Base, rows, row_count, HEAD_DIM, 0, BLOCK_D, MASKED)
+def aligned(batch_stride, head_stride, row_stride):
+    """An operand's stride arguments (``head_strides``) as the compiler may take them: multiples of
+    ROW_ALIGNMENT, as ``readable`` made sure. Without it, a row stride not divisible by 16 (a head dim
+    of 72, say) would hide that rows start 16 bytes apart, and every load would go element by element."""
+    return (tl.multiple_of(batch_stride, ROW_ALIGNMENT), tl.multiple_of(head_stride, ROW_ALIGNMENT),
+            tl.multiple_of(row_stride, ROW_ALIGNMENT))
 
 
 @triton.jit
-def load_columns(Base, rows, row_count, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr,
+def head_start(batch_head, heads, batch_stride, head_stride):
+    """Where head ``batch_head`` (flat over batch·heads, ``heads`` to a batch) starts in an operand with
+    these strides."""
+    return batch_head // heads * batch_stride + batch_head % heads * head_stride
+
+
+@triton.jit
+def load_rows(Base, rows, row_count, row_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Rows ``rows`` of a (row_count, HEAD_DIM) matrix whose rows start ``row_stride`` elements apart, as
+    one (rows, BLOCK_D) tile; columns past HEAD_DIM read as 0. MASKED: rows past row_count read as 0;
+    blocks known to lie inside skip the compare and, at a power-of-two head dim, load as plain 16-byte
+    copies."""
+    return load_columns(Base, rows, row_count, row_stride, HEAD_DIM, 0, BLOCK_D, MASKED)
+
+
+@triton.jit
+def load_columns(Base, rows, row_count, row_stride, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr,
                  MASKED: tl.constexpr):
     """Columns FIRST … FIRST + WIDTH − 1 of rows ``rows`` of a (row_count, HEAD_DIM) matrix, as
     ``load_rows`` (which is the slice from column 0)."""
     columns = FIRST + tl.arange(0, WIDTH)
-    offsets = rows[:, None] * HEAD_DIM + columns[None, :]
+    offsets = rows[:, None] * row_stride + columns[None, :]
     if MASKED:
         mask = (rows < row_count)[:, None]
         if FIRST + WIDTH > HEAD_DIM:
@@ -143,17 +203,18 @@ def load_columns(Base, rows, row_count, HEAD_DIM: tl.constexpr, FIRST: tl.conste
 
 
 @triton.jit
-def store_rows(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Write a (rows, BLOCK_D) ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix, in its dtype;
-    rows past row_count and columns past HEAD_DIM are skipped."""
-    store_columns(Base, rows, row_count, tile, HEAD_DIM, 0, BLOCK_D)
+def store_rows(Base, rows, row_count, row_stride, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write a (rows, BLOCK_D) ``tile`` to rows ``rows`` of a (row_count, HEAD_DIM) matrix whose rows start
+    ``row_stride`` elements apart, in its dtype; rows past row_count and columns past HEAD_DIM are skipped."""
+    store_columns(Base, rows, row_count, row_stride, tile, HEAD_DIM, 0, BLOCK_D)
 
 
 @triton.jit
-def store_columns(Base, rows, row_count, tile, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr):
+def store_columns(Base, rows, row_count, row_stride, tile, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr,
+                  WIDTH: tl.constexpr):
     """Write a (rows, WIDTH) ``tile`` to columns FIRST … FIRST + WIDTH − 1, as ``store_rows``."""
     columns = FIRST + tl.arange(0, WIDTH)
-    offsets = rows[:, None] * HEAD_DIM + columns[None, :]
+    offsets = rows[:, None] * row_stride + columns[None, :]
     tl.store(Base + offsets, tile.to(Base.dtype.element_ty),
              mask=(rows < row_count)[:, None] & (columns < HEAD_DIM)[None, :])
 

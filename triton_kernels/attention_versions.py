@@ -54,6 +54,7 @@ from .attention_tiles import (
 from .launch import (
     accumulator_dtype,
     cdiv,
+    check_contiguous,
     check_inputs,
     compute_dtype,
     dot_input_precision,
@@ -94,8 +95,8 @@ def _attention_scores_kernel(Q, K, S, query_length, key_length, scale_high, scal
     queries = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     batch_head = tl.program_id(2).to(tl.int64)
-    q = load_rows(Q + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, BLOCK_D, True)
-    k = load_rows(K + batch_head * key_length * HEAD_DIM, keys, key_length, HEAD_DIM, BLOCK_D, True)
+    q = load_rows(Q + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, HEAD_DIM, BLOCK_D, True)
+    k = load_rows(K + batch_head * key_length * HEAD_DIM, keys, key_length, HEAD_DIM, HEAD_DIM, BLOCK_D, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     visible = keys_visible(queries[:, None], keys[None, :], query_length, key_length, 0, True, False)
@@ -120,9 +121,9 @@ def _probabilities_times_values_kernel(P, V, Out, query_length, key_length, HEAD
         keys = block_start + tl.arange(0, BLOCK_N)
         p = tl.load(P + queries[:, None] * key_length + keys[None, :],
                     mask=(queries < query_length)[:, None] & (keys < key_length)[None, :], other=0.0)
-        v = load_rows(V, keys, key_length, HEAD_DIM, BLOCK_D, True)
+        v = load_rows(V, keys, key_length, HEAD_DIM, HEAD_DIM, BLOCK_D, True)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=acc.dtype)
-    store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, acc, HEAD_DIM, BLOCK_D)
+    store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, acc, HEAD_DIM, BLOCK_D)
 
 
 def _launch_version_1(q, k, v, out, scale, tile, block_d):
@@ -154,27 +155,27 @@ def _attention_fwd_fused_kernel(Q, K, V, Out, query_length, key_length, scale_hi
     K += batch_head * key_length * HEAD_DIM
     V += batch_head * key_length * HEAD_DIM
     queries = first_query + tl.arange(0, BLOCK_M)
-    q = load_rows(Q + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, BLOCK_D, True)
+    q = load_rows(Q + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, HEAD_DIM, BLOCK_D, True)
     scale = tl.cast(scale_high, COMPUTE) + tl.cast(scale_low, COMPUTE)
     acc = tl.zeros((BLOCK_M, BLOCK_D), COMPUTE)
     row_sum = tl.zeros((BLOCK_M,), COMPUTE)
     row_max = tl.full((BLOCK_M,), float("-inf"), COMPUTE)
     # One column slice (REST_D = 0): acc and q also fill merge_key_blocks' unused second-slice arguments.
     if VERSION == 2:  # every key block, each one masked, plain exp
-        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, 0, key_length,
-                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
-                                                    True, True, False, DOT_PRECISION, False)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, HEAD_DIM, HEAD_DIM, queries,
+                                                    0, key_length, query_length, key_length, 0, scale, HEAD_DIM,
+                                                    BLOCK_D, 0, BLOCK_N, True, True, False, DOT_PRECISION, False)
     else:  # version 3: the blocks below the diagonal unmasked, then those straddling it; none past it
         _, _, diagonal, end = key_block_range(first_query, query_length, key_length, 0, BLOCK_M, BLOCK_N, True, False)
         scale = scale * LOG2E  # e^x = 2^(x·log2 e)
-        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, 0, diagonal,
-                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
-                                                    False, True, False, DOT_PRECISION, True)
-        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, queries, diagonal, end,
-                                                    query_length, key_length, 0, scale, HEAD_DIM, BLOCK_D, 0, BLOCK_N,
-                                                    True, True, False, DOT_PRECISION, True)
-    store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, acc / row_sum[:, None], HEAD_DIM,
-               BLOCK_D)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, HEAD_DIM, HEAD_DIM, queries,
+                                                    0, diagonal, query_length, key_length, 0, scale, HEAD_DIM,
+                                                    BLOCK_D, 0, BLOCK_N, False, True, False, DOT_PRECISION, True)
+        acc, _, row_sum, row_max = merge_key_blocks(acc, acc, row_sum, row_max, q, q, K, V, HEAD_DIM, HEAD_DIM, queries,
+                                                    diagonal, end, query_length, key_length, 0, scale, HEAD_DIM,
+                                                    BLOCK_D, 0, BLOCK_N, True, True, False, DOT_PRECISION, True)
+    store_rows(Out + batch_head * query_length * HEAD_DIM, queries, query_length, HEAD_DIM, acc / row_sum[:, None],
+               HEAD_DIM, BLOCK_D)
 
 
 def _launch_fused(q, k, v, out, scale, tile, block_d, version):
@@ -199,6 +200,7 @@ def attention_forward_version(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if version == 4:
         return launch_attention_fwd(q, k, v, True, 0, scale)[0]
     check_attention_shapes(op, q, k, v, True, 0)
+    check_contiguous(op, q, k, v)  # versions 1-3 index rows HEAD_DIM apart (level 4's kernels take strides)
     check_inputs(op, q, k, v)
     require(k.shape[1] == q.shape[1], lambda: f"{op}: versions 1-3 take as many k, v heads as q heads, got "
                                               f"{q.shape[1]} and {k.shape[1]} (grouped-query attention: version 4)")
