@@ -55,9 +55,8 @@ import triton.language as tl
 from .attention_tiles import (
     LOG2E,
     AttentionTile,
-    aligned,
     check_attention_shapes,
-    head_start,
+    head_rows,
     head_strides,
     key_block_range,
     keys_visible,
@@ -109,13 +108,11 @@ def _attention_bwd_delta_kernel(Out, DOut, Delta, query_length, heads, stride_ob
                                 BLOCK_ROWS: tl.constexpr, COMPUTE: tl.constexpr):
     # Program (i, batch·head): queries i·BLOCK_ROWS … of one head.
     batch_head = tl.program_id(1).to(tl.int64)
-    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om)
-    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
+    Out, stride_om = head_rows(Out, batch_head, heads, stride_ob, stride_oh, stride_om)
+    DOut, stride_dom = head_rows(DOut, batch_head, heads, stride_dob, stride_doh, stride_dom)
     queries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    o = load_rows(Out + head_start(batch_head, heads, stride_ob, stride_oh), queries, query_length, stride_om, HEAD_DIM,
-                  BLOCK_D, True).to(COMPUTE)
-    do = load_rows(DOut + head_start(batch_head, heads, stride_dob, stride_doh), queries, query_length, stride_dom,
-                   HEAD_DIM, BLOCK_D, True).to(COMPUTE)
+    o = load_rows(Out, queries, query_length, stride_om, HEAD_DIM, BLOCK_D, True).to(COMPUTE)
+    do = load_rows(DOut, queries, query_length, stride_dom, HEAD_DIM, BLOCK_D, True).to(COMPUTE)
     tl.store(Delta + batch_head * query_length + queries, tl.sum(o * do, axis=1), mask=queries < query_length)
 
 
@@ -188,12 +185,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     key_blocks = tl.cdiv(key_length, BLOCK_N)
     first_key = tl.program_id(0) % key_blocks * BLOCK_N
     kv_head = (tl.program_id(0) // key_blocks).to(tl.int64)
-    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
-    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
-    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
-    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
+    K, stride_kn = head_rows(K, kv_head, heads // group, stride_kb, stride_kh, stride_kn)
+    V, stride_vn = head_rows(V, kv_head, heads // group, stride_vb, stride_vh, stride_vn)
     DK += kv_head * key_length * HEAD_DIM
     DV += kv_head * key_length * HEAD_DIM
 
@@ -211,17 +204,17 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
     # order, with no atomics: bit-identical on every run.
     for head in range(group):
         batch_head = kv_head * group + head
-        Qh = Q + head_start(batch_head, heads, stride_qb, stride_qh)
-        DOuth = DOut + head_start(batch_head, heads, stride_dob, stride_doh)
+        Qh, q_row = head_rows(Q, batch_head, heads, stride_qb, stride_qh, stride_qm)
+        DOuth, do_row = head_rows(DOut, batch_head, heads, stride_dob, stride_doh, stride_dom)
         LSEh = LSE + batch_head * query_length
         Deltah = Delta + batch_head * query_length
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys, lo,
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, q_row, do_row, keys, lo,
                                            full_lo, query_length, key_length, window, scale * LOG2E, HEAD_DIM,
                                            BLOCK_D, BLOCK_M, True, CAUSAL, WINDOWED, DOT_PRECISION)
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys,
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, q_row, do_row, keys,
                                            full_lo, full_hi, query_length, key_length, window, scale * LOG2E,
                                            HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, WINDOWED, DOT_PRECISION)
-        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, stride_qm, stride_dom, keys,
+        dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, q_row, do_row, keys,
                                            full_hi, hi, query_length, key_length, window, scale * LOG2E, HEAD_DIM,
                                            BLOCK_D, BLOCK_M, True, CAUSAL, WINDOWED, DOT_PRECISION)
     store_rows(DK, keys, key_length, HEAD_DIM, dk * scale, HEAD_DIM, BLOCK_D)
@@ -261,18 +254,14 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
-    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
-    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom)
-    Q += head_start(batch_head, heads, stride_qb, stride_qh)
-    DOut += head_start(batch_head, heads, stride_dob, stride_doh)
+    Q, stride_qm = head_rows(Q, batch_head, heads, stride_qb, stride_qh, stride_qm)
+    DOut, stride_dom = head_rows(DOut, batch_head, heads, stride_dob, stride_doh, stride_dom)
     DQ += batch_head * query_length * HEAD_DIM  # contiguous, as the launcher allocates it
     LSE += batch_head * query_length
     Delta += batch_head * query_length
     kv_head = batch_head // group  # the kv head of this query head's group
-    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
-    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
+    K, stride_kn = head_rows(K, kv_head, heads // group, stride_kb, stride_kh, stride_kn)
+    V, stride_vn = head_rows(V, kv_head, heads // group, stride_vb, stride_vh, stride_vn)
 
     queries = first_query + tl.arange(0, BLOCK_M)
     q = load_rows(Q, queries, query_length, stride_qm, HEAD_DIM, BLOCK_D, True)

@@ -74,11 +74,10 @@ import triton.language as tl
 from .attention_tiles import (
     LOG2E,
     AttentionTile,
-    aligned,
     check_attention_shapes,
     empty_attention_output,
     head_dim_slices,
-    head_start,
+    head_rows,
     head_strides,
     key_block_range,
     keys_visible,
@@ -209,16 +208,12 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, heads, gr
                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)
-    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn)
-    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om)
-    Q += head_start(batch_head, heads, stride_qb, stride_qh)
-    Out += head_start(batch_head, heads, stride_ob, stride_oh)
+    Q, stride_qm = head_rows(Q, batch_head, heads, stride_qb, stride_qh, stride_qm)
+    Out, stride_om = head_rows(Out, batch_head, heads, stride_ob, stride_oh, stride_om)
     LSE += batch_head * query_length
     kv_head = batch_head // group  # the kv head of this query head's group
-    K += head_start(kv_head, heads // group, stride_kb, stride_kh)
-    V += head_start(kv_head, heads // group, stride_vb, stride_vh)
+    K, stride_kn = head_rows(K, kv_head, heads // group, stride_kb, stride_kh, stride_kn)
+    V, stride_vn = head_rows(V, kv_head, heads // group, stride_vb, stride_vh, stride_vn)
 
     queries = first_query + tl.arange(0, BLOCK_M)
     q = load_columns(Q, queries, query_length, stride_qm, HEAD_DIM, 0, BLOCK_D, True)  # on chip for the whole loop

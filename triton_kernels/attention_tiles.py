@@ -17,7 +17,7 @@ head batch·H + h reads kv head batch·Hkv + h // group, which is simply (batch�
 
 Operands where they lie. Self-attention splits q, k and v off one fused projection (batch, tokens, 3, H, D)
 as strided (batch, heads, tokens, head_dim) views, and merges the heads back as one row of H·D per token.
-The kernels take every operand's (batch, head, row) strides (``readable``, ``head_strides``, ``head_start``)
+The kernels take every operand's (batch, head, row) strides (``readable``, ``head_strides``, ``head_rows``)
 instead of asking for contiguous copies, and the forward writes its output token-major
 (``empty_attention_output``), where copies had cost self-attention five tensors a layer, forward and
 backward: q, k, v and the merged heads forward, the gradient of the output backward.
@@ -38,7 +38,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
 
 ROW_ALIGNMENT = tl.constexpr(8)
 """Elements that every stride of an operand the kernels read in place is a multiple of (``readable``):
-16 bytes in 16-bit dtypes and more in wider ones, so rows load as 16-byte vectors (``aligned``)."""
+16 bytes in 16-bit dtypes and more in wider ones, so rows load as 16-byte vectors (``head_rows``)."""
 
 
 class AttentionTile(NamedTuple):
@@ -159,19 +159,15 @@ def query_block_of_program(query_length, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def aligned(batch_stride, head_stride, row_stride):
-    """An operand's stride arguments (``head_strides``) as the compiler may take them: multiples of
-    ROW_ALIGNMENT, as ``readable`` made sure. Without it, a row stride not divisible by 16 (a head dim
-    of 72, say) would hide that rows start 16 bytes apart, and every load would go element by element."""
-    return (tl.multiple_of(batch_stride, ROW_ALIGNMENT), tl.multiple_of(head_stride, ROW_ALIGNMENT),
-            tl.multiple_of(row_stride, ROW_ALIGNMENT))
-
-
-@triton.jit
-def head_start(batch_head, heads, batch_stride, head_stride):
-    """Where head ``batch_head`` (flat over batch·heads, ``heads`` to a batch) starts in an operand with
-    these strides."""
-    return batch_head // heads * batch_stride + batch_head % heads * head_stride
+def head_rows(Base, batch_head, heads, batch_stride, head_stride, row_stride):
+    """(where head ``batch_head`` starts, how far apart its rows lie) in an operand at ``Base`` with these
+    strides (``head_strides``), ``batch_head`` flat over batch·heads with ``heads`` to a batch. The strides
+    come as the compiler may take them: multiples of ROW_ALIGNMENT, as ``readable`` made sure. Without that,
+    a row stride not divisible by 16 (a head dim of 72, say) would hide that rows start 16 bytes apart, and
+    every load would go element by element."""
+    head_start = (batch_head // heads * tl.multiple_of(batch_stride, ROW_ALIGNMENT)
+                  + batch_head % heads * tl.multiple_of(head_stride, ROW_ALIGNMENT))
+    return Base + head_start, tl.multiple_of(row_stride, ROW_ALIGNMENT)
 
 
 @triton.jit
