@@ -106,11 +106,12 @@ def backward_tiles(block_d: int, dtype: torch.dtype) -> BackwardTiles:
 def _attention_bwd_delta_kernel(Out, DOut, Delta, query_length, heads, stride_ob, stride_oh, stride_om, stride_dob,
                                 stride_doh, stride_dom, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_ROWS: tl.constexpr, COMPUTE: tl.constexpr):
-    # Program (i, batch·head): queries i·BLOCK_ROWS … of one head.
-    batch_head = tl.program_id(1).to(tl.int64)
+    # Program (batch·head, i): queries i·BLOCK_ROWS … of one head. (batch·head on the grid's first axis,
+    # which takes 2^31 − 1 programs; the second takes 65,535.)
+    batch_head = tl.program_id(0).to(tl.int64)
     Out, stride_om = head_rows(Out, batch_head, heads, stride_ob, stride_oh, stride_om)
     DOut, stride_dom = head_rows(DOut, batch_head, heads, stride_dob, stride_doh, stride_dom)
-    queries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    queries = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     o = load_rows(Out, queries, query_length, stride_om, HEAD_DIM, BLOCK_D, True).to(COMPUTE)
     do = load_rows(DOut, queries, query_length, stride_dom, HEAD_DIM, BLOCK_D, True).to(COMPUTE)
     tl.store(Delta + batch_head * query_length + queries, tl.sum(o * do, axis=1), mask=queries < query_length)
@@ -315,7 +316,7 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
     grad_out_strides = head_strides(grad_out)
     strides = (*head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides)
     with on_device(q):
-        launch(_attention_bwd_delta_kernel, (cdiv(query_length, DELTA_ROWS), batch * heads), out, grad_out, delta,
+        launch(_attention_bwd_delta_kernel, (batch * heads, cdiv(query_length, DELTA_ROWS)), out, grad_out, delta,
                query_length, heads, *head_strides(out), *grad_out_strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
                BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
         tile = tiles.key_blocks

@@ -144,6 +144,7 @@ def empty_attention_output(q: torch.Tensor) -> torch.Tensor:
     batch, heads, query_length, head_dim = q.shape
     return q.new_empty((batch, query_length, heads, head_dim)).transpose(1, 2)
 
+
 # --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
 
 
