@@ -29,14 +29,15 @@ The one idea that makes it fast
     and writes grad_h. feed_forward.py counts the bytes, and what they came to on an H100.
 
 Launch
-    16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and
-    dtype, timing only the tiles ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE
-    untimed. The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice
-    directly, as every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). float32 (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss
-    float32's tolerance) and float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU
-    interpreter INTERPRETER_TILE: tuning there would time every candidate in a slow simulation.
-    ``_tile_choice`` is the one place that decides. The column sum: two passes when there are many
-    rows (partial sums of row chunks, then a sum of the partials), one otherwise.
+    16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and dtype,
+    timing only the tiles ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE untimed.
+    The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice directly, as
+    every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). float32
+    (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss float32's tolerance) and
+    float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU interpreter
+    INTERPRETER_TILE: tuning there would time every candidate in a slow simulation. ``_tile_choice`` is
+    the one place that decides. The column sum: two passes when there are many rows (partial sums of row
+    chunks, then a sum of the partials), one otherwise.
 
 Measured (H100 80GB HBM3, Triton 3.6, bfloat16; the GPT-2-small feed-forward's matmuls at 8192
 tokens, 38.7 GFLOP each; medians with L2 flushed; cuBLAS through ATen in brackets)
