@@ -49,7 +49,7 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // x with K = 0 has no inferable dim.)
 at::Tensor as_rows(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape_symint({row_count(x), x.sym_size(-1)}); }
 
-// The shape of an output row for row with x: x's leading dims, then `features`.
+// The shape of an output with a row of `features` for each row of x: x's leading dims, then `features`.
 c10::SymDimVector rows_of(const at::Tensor& x, const c10::SymInt& features) {
   c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
   shape.push_back(features);
@@ -221,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
             at::empty_symint({hidden}, x.options()), at::empty_like(proj_weight),
             at::empty_symint({x.sym_size(-1)}, x.options())};
   }
-  const at::Tensor dy = as_rows(grad_out).contiguous(), h = pre_activation.contiguous(), rows_of_x = as_rows(x);
+  const at::Tensor dy = as_rows(grad_out).contiguous(), h = pre_activation.contiguous(), x_rows = as_rows(x);
   // da = dy W_proj by cuBLAS (a fresh contiguous matrix); then our kernel turns it into dh = da * gelu'(h)
   // in place, summing dh's columns (b_fc's gradient) in the same pass.
   at::Tensor grad_hidden = at::mm(dy, proj_weight);
@@ -235,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
         gelu_backward_cpu(dtype, grad_hidden.mutable_data_ptr(), h.const_data_ptr(), sums, grad_hidden.size(0),
                           grad_hidden.size(1));
       });
-  return {in_rows_of(x, at::mm(grad_hidden, fc_weight)), weight_gradient(grad_hidden, rows_of_x, fc_weight), grad_fc_bias,
+  return {in_rows_of(x, at::mm(grad_hidden, fc_weight)), weight_gradient(grad_hidden, x_rows, fc_weight), grad_fc_bias,
           weight_gradient(dy, activation, proj_weight), column_sums(dtype, dy)};
 }
 

@@ -294,17 +294,19 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
                            per_query={"lse": lse})
     check_inputs("attention_backward", grad_out, q, k, v, out, lse)
-    return launch_attention_bwd_unchecked(grad_out, q, k, v, out, lse, causal, window, scale)
+    return launch_attention_bwd_unchecked(grad_out, readable(q), readable(k), readable(v), readable(out), lse, causal,
+                                          window, scale)
 
 
 def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
-    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
+    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``):
+    q, k, v and out readable, as the forward saved them; grad_out, autograd's, may be any view."""
     batch, heads, query_length, head_dim = q.shape
     kv_heads, key_length = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    grad_out, q, k, v, out = readable(grad_out), readable(q), readable(k), readable(v), readable(out)
+    grad_out = readable(grad_out)
     grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
     delta = torch.empty_like(lse)
     block_d = padded_head_dim(head_dim)

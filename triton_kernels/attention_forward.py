@@ -247,11 +247,23 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, heads, gr
     tl.store(LSE + queries, (row_max + tl.log2(row_sum)) * LN2, mask=query_mask)
 
 
-def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_readable_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                            window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v checked (shapes, dtypes, device) and made readable (``attention_tiles.readable``): what
+    ``launch_attention_fwd_unchecked`` takes, and what the eager forward saves for the backward."""
     check_attention_shapes("attention_forward", q, k, v, causal, window)
     check_inputs("attention_forward", q, k, v)
-    q, k, v = readable(q), readable(k), readable(v)
+    return readable(q), readable(k), readable(v)
+
+
+def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return launch_attention_fwd_unchecked(*checked_readable_inputs(q, k, v, causal, window), causal, window, scale)
+
+
+def launch_attention_fwd_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q, k, v that ``checked_readable_inputs`` returned."""
     batch, heads, query_length, head_dim = q.shape
     key_length = k.shape[2]
     out = empty_attention_output(q)
