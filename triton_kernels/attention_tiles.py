@@ -56,15 +56,23 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+MIN_MAIN_SLICE = 64
+"""The narrowest first slice of a two-slice head dim (``head_dim_slices``). Head dims 40 and 48 as 32 + 16
+columns read past the shared memory Triton 3.6 gave the kernel (compute-sanitizer on an H100: an invalid
+__shared__ read in the second slice's p·v, at 4 warps in float16), so below 64 a head dim stays on its
+padded tile."""
+
+
 @functools.cache
 def head_dim_slices(head_dim: int) -> tuple[int, int]:
     """The forward's column slices of a head dim: (main, rest), both powers of two (rest 0: one slice),
-    main + rest ≥ head_dim. Two slices where they are narrower than the padded tile: 80 → (64, 16),
-    96 → (64, 32), 160 → (128, 32); 112 → (128, 0), since 64 + 64 would be no narrower than 128."""
+    main + rest ≥ head_dim. Two slices where they are narrower than the padded tile and the first is at
+    least MIN_MAIN_SLICE wide: 80 → (64, 16), 96 → (64, 32), 160 → (128, 32); 112 → (128, 0), since
+    64 + 64 would be no narrower than 128; 40 → (64, 0)."""
     padded = padded_head_dim(head_dim)
     main = max(16, next_power_of_2(head_dim + 1) // 2)
     rest = 0 if head_dim <= main else max(16, next_power_of_2(head_dim - main))
-    return (main, rest) if 0 < rest and main + rest < padded else (padded, 0)
+    return (main, rest) if 0 < rest and main >= MIN_MAIN_SLICE and main + rest < padded else (padded, 0)
 
 
 def wide_float_tile(block_d: int) -> AttentionTile:
