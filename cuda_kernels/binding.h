@@ -26,6 +26,7 @@
 
 #ifdef KERNEL_LADDER_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -107,6 +108,42 @@ void run_on_device_of([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] Cud
 #endif
   cpu();
 }
+
+// A few numbers computed on the device, on their way to the host. `.cpu()` would wait until the GPU has
+// run everything queued before them (in a training step, the whole forward so far), and while the host
+// waits it queues nothing, so the GPU then idles until the host's next launches reach it. Instead they
+// travel by a non-blocking copy into pinned host memory with an event behind it: a wrapper queues its
+// kernels first and only then calls `arrived()`, which waits for that copy (so for the work queued before
+// it, not for the kernels queued after it: the GPU runs those while the host goes on). On the CPU the copy
+// is the values themselves.
+class OnTheWayToHost {
+ public:
+  explicit OnTheWayToHost(const at::Tensor& values) {
+#ifdef KERNEL_LADDER_WITH_CUDA
+    if (values.is_cuda()) {
+      host_ = at::empty(values.sizes(), values.options().device(at::kCPU).pinned_memory(true));
+      host_.copy_(values, /*non_blocking=*/true);
+      copied_.record(at::cuda::getCurrentCUDAStream(values.get_device()));
+      return;
+    }
+#endif
+    host_ = values.contiguous();
+  }
+
+  // The values, once the copy has landed (contiguous, on the CPU).
+  const at::Tensor& arrived() const {
+#ifdef KERNEL_LADDER_WITH_CUDA
+    copied_.synchronize();  // an event never recorded (CPU values) returns at once
+#endif
+    return host_;
+  }
+
+ private:
+  at::Tensor host_;
+#ifdef KERNEL_LADDER_WITH_CUDA
+  at::cuda::CUDAEvent copied_;
+#endif
+};
 
 // --- registration: what swish_ops.cpp writes out in full, as two calls ----------------------------------
 

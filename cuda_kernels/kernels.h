@@ -209,14 +209,17 @@ void launch_gelu_backward(DType dtype, void* grad, const void* pre_activation, v
 // logits (rows, n) holds one chunk of hidden @ weight^T, row r starting at logits + r * row_stride
 // (row_stride >= n: the binding pads rows for cuBLAS, see linear_cross_entropy_ops.cpp). Row r's loss term, logsumexp(logits[r]) -
 // logits[r][targets[r]], goes to row_losses[r] (accumulator type), 0 where targets[r] == ignore_index.
-// With write_gradient the row is overwritten in place with (softmax(row) - onehot(target)) * scale,
-// zeros for an ignored row. Every other target is in [0, n) (the binding checked it).
+// With write_gradient the row is overwritten in place with (softmax(row) - onehot(target)) / n_valid,
+// zeros for an ignored row. n_valid is one int64 in device memory, counted there by the binding (0: no
+// valid target, and every term and gradient is 0). A target outside [0, n) reads as no class: the binding
+// raises for it once its kernels are queued, and until then nothing reads outside the row.
 void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
-                               int64_t n, int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient,
-                               void* stream);
-// loss (one accumulator-type value) = the sum of row_losses (rows values) * inverse_count, summed in
-// one fixed order: the same bits on every run.
-void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count, void* stream);
+                               int64_t n, int64_t row_stride, int64_t ignore_index, const int64_t* n_valid,
+                               bool write_gradient, void* stream);
+// loss (one accumulator-type value) = the sum of row_losses (rows values) / n_valid (0 when n_valid is 0),
+// summed in one fixed order: the same bits on every run.
+void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, const int64_t* n_valid,
+                      void* stream);
 // out = x * factor[0], elementwise over numel values; factor is one accumulator-type value in device
 // memory (the loss's gradient, read there: no copy to the host, no wait).
 void launch_scale_by_device_scalar(DType dtype, const void* x, const void* factor, void* out, int64_t numel,
@@ -255,8 +258,8 @@ void gelu_forward_cpu(DType dtype, const void* pre_activation, void* activation,
 void column_sum_cpu(DType dtype, const void* matrix, void* sums, int64_t rows, int64_t n);
 void gelu_backward_cpu(DType dtype, void* grad, const void* pre_activation, void* grad_bias, int64_t rows, int64_t n);
 void cross_entropy_rows_cpu(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows, int64_t n,
-                            int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient);
-void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count);
+                            int64_t row_stride, int64_t ignore_index, const int64_t* n_valid, bool write_gradient);
+void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, const int64_t* n_valid);
 void scale_by_device_scalar_cpu(DType dtype, const void* x, const void* factor, void* out, int64_t numel);
 void adamw_step_cpu(DType dtype, const AdamWTensors& tensors, const AdamWFactors& factors);
 

@@ -67,12 +67,21 @@ __device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, OnPack 
   for (int64_t i = packs_end + threadIdx.x; i < n; i += blockDim.x) on_value(i);
 }
 
+// The mean's 1/n, from the count the binding left in device memory: the host never reads it, so it
+// never waits for the GPU to count. No valid target gives 0, and with it a loss of 0, not 0/0.
+template <typename A>
+__device__ __forceinline__ A inverse_count(const int64_t* n_valid) {
+  const int64_t count = *n_valid;
+  return count > 0 ? A(1) / A(count) : A(0);
+}
+
 // Ordinary loads and stores throughout: pass 1 leaves the row in L2 for pass 2, and the gradient that
 // pass 2 writes is the next GEMMs' input, which L2 may still hold when cuBLAS reads it.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
 cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>* __restrict__ row_losses, int64_t n,
-                          int64_t row_stride, int64_t ignore_index, Acc<T> scale, bool write_gradient) {
+                          int64_t row_stride, int64_t ignore_index, const int64_t* __restrict__ n_valid,
+                          bool write_gradient) {
   using A = Acc<T>;
   constexpr int kVec = kVecOf<T>;
   T* row = logits + int64_t{blockIdx.x} * row_stride;
@@ -84,8 +93,11 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
         row, n, [&](int64_t i) { store_pack<T, kVec>(row + i, Pack<T, kVec>{}); }, [&](int64_t i) { row[i] = T{}; });
     return;
   }
-  // Read before any thread can overwrite it: pass 2 starts after block_reduce's barriers.
-  const A target_logit = threadIdx.x == 0 ? to_acc(row[target]) : A(0);
+  // Read before any thread can overwrite it: pass 2 starts after block_reduce's barriers. A target
+  // outside the row fails the call once it is queued (the binding's range check); until then it reads
+  // nothing: the row's term is wrong, and the call will not return it.
+  const bool in_row = target >= 0 && target < n;
+  const A target_logit = threadIdx.x == 0 && in_row ? to_acc(row[target]) : A(0);
   MaxSum<A> mine;
   for_each_in_row(
       row, n,
@@ -95,6 +107,7 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
   if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;
   if (!write_gradient) return;
   // (exp(x - max) / sum - [i == target]) * scale; one multiply by probability_scale, no division.
+  const A scale = inverse_count<A>(n_valid);
   const A probability_scale = scale / total.sum;
   const auto gradient = [&](A value, int64_t i) {
     return from_acc<T>(exp_acc(value - total.max) * probability_scale - (i == target ? scale : A(0)));
@@ -115,11 +128,11 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
 // bits on every run, where atomicAdd from many blocks would not.
 template <typename A>
 __global__ void __launch_bounds__(kMaxThreads)
-mean_loss_kernel(const A* __restrict__ row_losses, A* __restrict__ loss, int64_t rows, A inverse_count) {
+mean_loss_kernel(const A* __restrict__ row_losses, A* __restrict__ loss, int64_t rows, const int64_t* __restrict__ n_valid) {
   A sum = 0;
   for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) sum += row_losses[row];
   sum = block_sum(sum);
-  if (threadIdx.x == 0) *loss = sum * inverse_count;
+  if (threadIdx.x == 0) *loss = sum * inverse_count<A>(n_valid);
 }
 
 // Thread i owns elements [i*kVec, i*kVec + kVec): one pack, or the ragged tail. Every thread reads the
@@ -146,23 +159,24 @@ scale_by_device_scalar_kernel(const T* __restrict__ x, const Acc<T>* __restrict_
 // --- launchers -----------------------------------------------------------------------------------
 
 void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows,
-                               int64_t n, int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient,
-                               void* stream) {
+                               int64_t n, int64_t row_stride, int64_t ignore_index, const int64_t* n_valid,
+                               bool write_gradient, void* stream) {
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     const int threads = std::min(kRowThreads, row_threads(n, kPacksPerThread * kVecOf<T>));
     cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, Acc<T>(scale),
+        static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, n_valid,
         write_gradient);
   });
 }
 
-void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count, void* stream) {
+void launch_mean_loss(DType dtype, const void* row_losses, void* loss, int64_t rows, const int64_t* n_valid,
+                      void* stream) {
   dispatch_dtype(dtype, [&](auto zero) {
     using A = Acc<decltype(zero)>;
     const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, row_threads(rows, 1)));
     mean_loss_kernel<A><<<1, threads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const A*>(row_losses), static_cast<A*>(loss), rows, A(inverse_count));
+        static_cast<const A*>(row_losses), static_cast<A*>(loss), rows, n_valid);
   });
 }
 

@@ -50,6 +50,12 @@ std::pair<T, T> row_max_and_sum(const T* __restrict row, int64_t n) {
   return {running_max, running_sum};
 }
 
+// The mean's 1/n, 0 when no target is valid (a loss of 0, not 0/0).
+template <typename T>
+T inverse_count(const int64_t* n_valid) {
+  return *n_valid > 0 ? T(1) / T(*n_valid) : T(0);
+}
+
 template <typename T>
 void cross_entropy_rows(T* logits, const int64_t* targets, T* row_losses, int64_t rows, int64_t n, int64_t row_stride,
                         int64_t ignore_index, T scale, bool write_gradient) {
@@ -64,13 +70,15 @@ void cross_entropy_rows(T* logits, const int64_t* targets, T* row_losses, int64_
     }
     const std::pair<T, T> statistics = row_max_and_sum(row, n);
     const T maximum = statistics.first, sum = statistics.second;
-    row_losses[r] = std::log(sum) + maximum - row[target];
+    // A target outside the row fails the call after this (the binding's range check): read nothing for it.
+    const bool in_row = target >= 0 && target < n;
+    row_losses[r] = std::log(sum) + maximum - (in_row ? row[target] : T(0));
     if (!write_gradient) continue;
     // (exp(x - max) / sum - [i == target]) * scale; one multiply by probability_scale, no division.
     const T probability_scale = scale / sum;
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) row[i] = exp_branch_free(row[i] - maximum) * probability_scale;
-    row[target] -= scale;
+    if (in_row) row[target] -= scale;
   }
 }
 
@@ -83,22 +91,22 @@ void scale_by_device_scalar(const T* __restrict x, T factor, T* __restrict out, 
 }  // namespace
 
 void cross_entropy_rows_cpu(DType dtype, void* logits, const int64_t* targets, void* row_losses, int64_t rows, int64_t n,
-                            int64_t row_stride, int64_t ignore_index, double scale, bool write_gradient) {
+                            int64_t row_stride, int64_t ignore_index, const int64_t* n_valid, bool write_gradient) {
   dispatch_cpu_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     cross_entropy_rows<T>(static_cast<T*>(logits), targets, static_cast<T*>(row_losses), rows, n, row_stride, ignore_index,
-                          T(scale), write_gradient);
+                          inverse_count<T>(n_valid), write_gradient);
   });
 }
 
 // A few thousand terms added in row order: the same bits on every run, whatever the thread count.
-void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, double inverse_count) {
+void mean_loss_cpu(DType dtype, const void* row_losses, void* loss, int64_t rows, const int64_t* n_valid) {
   dispatch_cpu_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     const T* terms = static_cast<const T*>(row_losses);
     T sum = 0;
     for (int64_t r = 0; r < rows; ++r) sum += terms[r];
-    *static_cast<T*>(loss) = sum * T(inverse_count);
+    *static_cast<T*>(loss) = sum * inverse_count<T>(n_valid);
   });
 }
 

@@ -74,22 +74,37 @@ void check_linear_cross_entropy(const char* op, const at::Tensor& hidden, const 
   kernel_dtype(op, hidden);
 }
 
-// How many targets are not ignore_index, after checking that those lie in [0, vocabulary). The one
-// wait for the GPU in a call: the count, the smallest and the largest valid target come back in one
-// copy of three numbers.
-int64_t count_valid_targets(const char* op, const at::Tensor& targets, int64_t ignore_index, int64_t vocabulary) {
-  if (targets.numel() == 0) return 0;
-  const at::Tensor valid = targets.ne(ignore_index);
-  const at::Tensor smallest_valid = at::where(valid, targets, std::numeric_limits<int64_t>::max()).min();
-  const at::Tensor largest_valid = at::where(valid, targets, std::numeric_limits<int64_t>::min()).max();
-  const at::Tensor summary = at::stack({valid.sum(), smallest_valid, largest_valid}).cpu();
-  const int64_t* numbers = summary.const_data_ptr<int64_t>();
-  const int64_t count = numbers[0], smallest = numbers[1], largest = numbers[2];
-  TORCH_CHECK_VALUE(count == 0 || (smallest >= 0 && largest < vocabulary), "cuda_kernels::", op, ": target ",
-                    smallest < 0 ? smallest : largest, " is out of range: every target must lie in [0, ", vocabulary,
-                    ") or equal ignore_index (", ignore_index, ")");
-  return count;
-}
+// The targets' count and range, computed where they are. The count stays there: the kernels read 1/n from
+// it. The count and the smallest and largest valid target travel to the host together (OnTheWayToHost),
+// and the wrapper reads them (check_range) only after queuing its kernels: the read still waits for the
+// GPU to reach the copy, behind whatever was queued before the call, but the GPU then has the call's
+// GEMMs to run while the host goes on, where a .cpu() first left it idle until the host's next launch.
+class ValidTargets {
+ public:
+  ValidTargets(const at::Tensor& targets, int64_t ignore_index) : ValidTargets(targets, targets.ne(ignore_index)) {}
+
+  // n, an int64 on the targets' device.
+  const int64_t* count() const { return count_.const_data_ptr<int64_t>(); }
+
+  // Raises if a target other than ignore_index lies outside [0, vocabulary). The kernels it follows read
+  // such a target as no class (linear_cross_entropy.cu), so a bad target fails the call, never the GPU.
+  void check_range(const char* op, int64_t ignore_index, int64_t vocabulary) const {
+    const int64_t* numbers = summary_.arrived().const_data_ptr<int64_t>();
+    const int64_t count = numbers[0], smallest = numbers[1], largest = numbers[2];
+    TORCH_CHECK_VALUE(count == 0 || (smallest >= 0 && largest < vocabulary), "cuda_kernels::", op, ": target ",
+                      smallest < 0 ? smallest : largest, " is out of range: every target must lie in [0, ", vocabulary,
+                      ") or equal ignore_index (", ignore_index, ")");
+  }
+
+ private:
+  ValidTargets(const at::Tensor& targets, const at::Tensor& valid)
+      : count_(valid.sum()),
+        summary_(at::stack({count_, at::where(valid, targets, std::numeric_limits<int64_t>::max()).min(),
+                            at::where(valid, targets, std::numeric_limits<int64_t>::min()).max()})) {}
+
+  at::Tensor count_;
+  OnTheWayToHost summary_;
+};
 
 TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                           int64_t ignore_index, bool compute_gradients, int64_t chunk_rows) {
@@ -105,8 +120,7 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
             at::empty_symint(gradient_shape(weight), hidden.options())};
   }
   const int64_t tokens = hidden.size(0), vocabulary = weight.size(0);
-  const int64_t valid = count_valid_targets(op, targets, ignore_index, vocabulary);
-  if (valid == 0) {
+  if (tokens == 0) {  // a mean over no tokens: 0, as over tokens that are all ignored
     return {at::zeros({}, loss_options), at::zeros_symint(gradient_shape(hidden), hidden.options()),
             at::zeros_symint(gradient_shape(weight), hidden.options())};
   }
@@ -117,7 +131,7 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
                            ? weight.contiguous()
                            : at::constant_pad_nd(weight, {0, 0, 0, padded_vocabulary - vocabulary});
   const int64_t rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows);
-  const double scale = 1.0 / static_cast<double>(valid);
+  const ValidTargets valid_targets(t, ignore_index);
   // Reused by every chunk: (rows_per_chunk, padded_vocabulary), the row kernels' rows padded_vocabulary apart.
   at::Tensor logits = at::empty({rows_per_chunk, padded_vocabulary}, h.options());
   at::Tensor row_losses = at::empty({tokens}, loss_options);
@@ -135,11 +149,11 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
         h,
         [&](void* stream) {
           launch_cross_entropy_rows(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                    padded_vocabulary, ignore_index, scale, compute_gradients, stream);
+                                    padded_vocabulary, ignore_index, valid_targets.count(), compute_gradients, stream);
         },
         [&] {
           cross_entropy_rows_cpu(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                 padded_vocabulary, ignore_index, scale, compute_gradients);
+                                 padded_vocabulary, ignore_index, valid_targets.count(), compute_gradients);
         });
     if (!compute_gradients) continue;
     at::Tensor chunk_grad_hidden = grad_hidden.narrow(0, start, rows);
@@ -159,9 +173,11 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
   run_on_device_of(
       h,
       [&](void* stream) {
-        launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, scale, stream);
+        launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count(),
+                         stream);
       },
-      [&] { mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, scale); });
+      [&] { mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count()); });
+  valid_targets.check_range(op, ignore_index, vocabulary);
   // The first `vocabulary` rows of a contiguous matrix are contiguous: no copy.
   return {loss, grad_hidden, compute_gradients ? grad_weight.narrow(0, 0, vocabulary) : grad_weight};
 }

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from cuda_kernels.host_copy import OnTheWayToHost
+
 from .backends import linear
 from .layer_norm import IMPLEMENTATIONS as LAYER_NORM
 from .linear_cross_entropy import IMPLEMENTATIONS as LINEAR_CROSS_ENTROPY
@@ -43,26 +45,19 @@ def check_id_range(smallest: int, largest: int, vocab_size: int) -> None:
 
 
 class IdRangeOnTheWay:
-    """The token ids' smallest and largest values on their way to the host, and the ids clamped into the
-    vocabulary for the lookup, so that a bad id cannot read outside the embedding table.
-
-    Why not ``int(idx.max())``: on a CUDA tensor it waits until the GPU has run everything queued before
-    it, at the start of a training step the whole previous step, and while the host waits it queues
-    nothing, so the GPU then idles until the host's next launches reach it. Instead the two values travel
-    by a non-blocking copy into pinned host memory, and ``arrived`` (called once the forward is queued)
-    waits for that copy alone, which the GPU is usually long past by then: the host runs ahead as it does
-    without any check, and a bad id still raises before the forward returns anything."""
+    """The token ids' smallest and largest values on their way to the host (``OnTheWayToHost``: no wait
+    for the GPU to get here), and the ids clamped into the vocabulary for the lookup, so that a bad id
+    cannot read outside the embedding table. ``arrived`` is called once the forward is queued: the host
+    runs ahead as it does without any check, and a bad id still raises before the forward returns
+    anything."""
 
     def __init__(self, idx: torch.Tensor, vocab_size: int):
-        self.extremes = torch.stack(torch.aminmax(idx)).to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        self.extremes = OnTheWayToHost(torch.stack(torch.aminmax(idx)))
         self.clamped_ids = idx.clamp(0, vocab_size - 1)
 
     def arrived(self) -> tuple[int, int]:
         """(smallest, largest), once the copy has landed."""
-        self.copied.synchronize()
-        return tuple(self.extremes.tolist())
+        return tuple(self.extremes.arrived())
 
 
 class GPTSpec(ComponentSpec):

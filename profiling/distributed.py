@@ -274,9 +274,10 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
     would leave every GPU idle while its host launches the next step's first kernels, and make the
     processes meet at each step's collectives as late as the slowest host's moment of jitter (Python,
     the wrappers' hooks, the OS) makes them; queued ahead, a host's jitter is absorbed while its GPU
-    works. (Level 5's loss still waits once a step for its count of valid targets, so the host runs at
-    most a forward ahead.) Each step's time is read on the GPU's stream (``seconds_per_run``), and the
-    batches are on the device before the first step, so no copy from the host waits inside one."""
+    works. (Inside a level-4 or level-5 step the host waits once: the loss's check of its targets' range
+    reads a copy queued after the forward, with the loss's kernels already queued behind it; so the host
+    runs at most a forward ahead.) Each step's time is read on the GPU's stream (``seconds_per_run``), and
+    the batches are on the device before the first step, so no copy from the host waits inside one."""
     from tqdm.auto import tqdm
 
     from .timing import seconds_per_run

@@ -44,6 +44,27 @@ def test_a_target_outside_the_vocabulary_names_it_and_the_range(level, device, b
     targets = torch.tensor([3, bad_target, -100, 7], device=device)
     with pytest.raises(ValueError, match=rf"{bad_target}.*\[0, .*101\)"):
         head(torch.randn(4, 24, device=device), targets)
+    # Levels 4 and 5 raise after their kernels ran on the bad target: they read nothing outside its row,
+    # so the device still computes (a fault would fail every later call on a GPU).
+    good_targets = torch.tensor([3, 100, -100, 0], device=device)
+    assert torch.isfinite(head(torch.randn(4, 24, device=device), good_targets)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["triton", "cuda"])
+def test_the_fused_loss_reads_nothing_back_before_its_kernels_are_queued(level):
+    """Levels 4 and 5 count the valid targets on the device and read their range only after queuing their
+    kernels, from a copy that travels without stopping the host (OnTheWayToHost): no ``.item()``,
+    ``.tolist()`` or ``.cpu()`` of a CUDA tensor, which PyTorch's sync debug mode turns into errors."""
+    head = levels.build("linear_cross_entropy", level, **SMALL_HEAD).cuda()
+    hidden = torch.randn(6, 24, device="cuda", requires_grad=True)
+    targets = torch.tensor([3, 5, -100, 7, 100, 0], device="cuda")
+    head(hidden, targets).backward()  # the first call compiles and tunes, which may wait
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        head(hidden, targets).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("level", levels.LEVELS)

@@ -32,10 +32,13 @@ Kernels, in the order they run (per chunk, then once)
 
 Launch
     The matmuls choose their own tiles (matmul.py). The row kernel walks V in blocks of
-    LOOPED_ROW_BLOCK at 8 warps, 16 values a thread, as softmax.py's long rows do. One host sync per
-    call: the count of valid targets and their range come back together, to check the targets and
-    to divide by n. Without a gradient wanted, pass 2 and the two gradient matmuls (2/3 of the FLOPs)
-    are skipped.
+    LOOPED_ROW_BLOCK at 8 warps, 16 values a thread, as softmax.py's long rows do. n, the count of valid
+    targets, stays on the device (the row kernel reads 1/n there); the targets' range reaches the host by
+    a non-blocking copy (``OnTheWayToHost``) that the launcher reads only after queuing all its kernels.
+    That read still waits for the GPU to reach the copy, which the stream runs after everything queued
+    before the call (in a training step, the forward), but the GPU then has the call's matmuls to run
+    while the host goes on, where reading the range first left it idle until the host's next launch.
+    Without a gradient wanted, pass 2 and the two gradient matmuls (2/3 of the FLOPs) are skipped.
 
 Limits
     hidden (T, C) and weight (V, C) of one dtype, read through their strides (any layout); targets
@@ -53,6 +56,8 @@ Check
 import torch
 import triton
 import triton.language as tl
+
+from cuda_kernels.host_copy import OnTheWayToHost
 
 from .eager import EagerFunction
 from .launch import (
@@ -118,19 +123,23 @@ def _check_backward_shapes(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, g
     check_contiguous(op, grad_hidden, grad_weight)
 
 
-def _count_valid_targets(op: str, targets: torch.Tensor, ignore_index: int, vocabulary: int) -> int:
-    """n, the number of targets that are not ``ignore_index``, after checking that each of those is a
-    class in [0, V). The count and the smallest and largest valid target come back in one transfer:
-    the one host sync of a call."""
-    if targets.numel() == 0:
-        return 0
+def _count_valid_targets(targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, OnTheWayToHost]:
+    """(n, summary): n, the number of targets that are not ``ignore_index``, an int64 on the targets'
+    device (the row kernel reads it there), and n with the smallest and largest valid target on their
+    way to the host, for ``_check_target_range`` once the kernels are queued."""
     valid = targets != ignore_index
+    n_valid = valid.sum()
     smallest_and_largest = torch.aminmax(torch.where(valid, targets, 0))  # ignored rows stand in as class 0
-    n_valid, smallest, largest = torch.stack((valid.sum(), *smallest_and_largest)).tolist()
+    return n_valid, OnTheWayToHost(torch.stack((n_valid, *smallest_and_largest)))
+
+
+def _check_target_range(op: str, summary: OnTheWayToHost, ignore_index: int, vocabulary: int) -> None:
+    """Every target that is not ``ignore_index`` is a class in [0, V). The row kernel reads a target outside
+    its row as no class, so a bad one fails the call here, never the GPU."""
+    n_valid, smallest, largest = summary.arrived()
     if n_valid and not (smallest >= 0 and largest < vocabulary):
         raise ValueError(f"{op}: target {smallest if smallest < 0 else largest} is outside the classes "
                          f"[0, {vocabulary}) of weight (and is not ignore_index = {ignore_index})")
-    return n_valid
 
 
 def choose_chunk_rows(tokens: int, vocabulary: int, requested: int = 0) -> int:
@@ -144,7 +153,7 @@ def choose_chunk_rows(tokens: int, vocabulary: int, requested: int = 0) -> int:
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, V, row_stride, ignore_index, n_valid,
+def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, NValid, V, row_stride, ignore_index,
                                BLOCK_V: tl.constexpr, COMPUTE: tl.constexpr, WRITE_GRADIENT: tl.constexpr):
     row = tl.program_id(0)
     Logits += row.to(tl.int64) * row_stride
@@ -154,9 +163,12 @@ def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, V, row_stride, ignore
     # pass 1: the row's log-sum-exp, with softmax.py's online softmax
     row_max, row_sum = row_max_and_sum_of_exp(Logits, V, BLOCK_V, COMPUTE)
     log_sum_exp = row_max + tl.log(row_sum)
-    # Read before pass 2 overwrites it. An ignored row reads class 0 and discards it.
-    target_logit = tl.load(Logits + tl.where(valid, target, 0)).to(COMPUTE)
-    scale = tl.where(valid, 1.0 / tl.cast(n_valid, COMPUTE), 0.0)  # the mean's 1/n, folded into every term
+    # Read before pass 2 overwrites it. An ignored row reads class 0 and discards it; so does a target
+    # outside the row, which fails the call once it is queued (_check_target_range).
+    target_logit = tl.load(Logits + tl.where(valid & (target >= 0) & (target < V), target, 0)).to(COMPUTE)
+    # The mean's 1/n, folded into every term: n counted on the device, so the host never waited for it.
+    # With no valid target every row takes the 0 branch (no 1/0 reaches a result).
+    scale = tl.where(valid, 1.0 / tl.load(NValid).to(COMPUTE), 0.0)
     tl.store(RowLosses + row, tl.where(valid, (log_sum_exp - target_logit) * scale, 0.0))
     if WRITE_GRADIENT:
         # pass 2: (softmax − onehot(target)) / n over the logits, in place: the gradient matmuls read it there.
@@ -191,15 +203,15 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
     if targets.device != hidden.device:
         raise ValueError(f"{op}: targets are on {targets.device} but hidden is on {hidden.device}")
     (tokens, _), vocabulary = hidden.shape, weight.shape[0]
-    n_valid = _count_valid_targets(op, targets, ignore_index, vocabulary)
     loss_dtype = accumulator_dtype(hidden.dtype)
-    if n_valid == 0:
-        # Nothing to average over: a loss of 0 and zero gradients, where 0/0 would give NaN.
+    if tokens == 0:
+        # Nothing to average over: a loss of 0 and zero gradients, as for tokens that are all ignored.
         loss = hidden.new_zeros((), dtype=loss_dtype)
         if not compute_gradients:
             return loss, hidden.new_empty(0), weight.new_empty(0)
         return loss, hidden.new_zeros(hidden.shape), weight.new_zeros(weight.shape)
 
+    n_valid, target_summary = _count_valid_targets(targets, ignore_index)
     rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows)
     starts = range(0, tokens, rows_per_chunk)
     # One chunk's logits, reused by every chunk: (rows, vocabulary), rows padded apart (LOGITS_ROW_ALIGNMENT).
@@ -219,7 +231,7 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
             chunk_logits = logits[:hidden_chunk.shape[0]]
             launch_matmul(hidden_chunk, weight.t(), out=chunk_logits)
             launch(_cross_entropy_rows_kernel, (hidden_chunk.shape[0],), chunk_logits, targets[start:],
-                   row_losses[start:], vocabulary, row_stride, ignore_index, n_valid, BLOCK_V=block_v,
+                   row_losses[start:], n_valid, vocabulary, row_stride, ignore_index, BLOCK_V=block_v,
                    COMPUTE=compute_dtype(hidden.dtype), WRITE_GRADIENT=compute_gradients,
                    num_warps=max(1, block_v // 512))  # 16 values a thread
             if compute_gradients:  # chunk_logits now holds the logits' gradient
@@ -227,6 +239,7 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
                 launch_matmul(chunk_logits.t(), hidden_chunk, Epilogue.ACCUMULATE if start else Epilogue.NONE,
                               out=grad_weight)
     loss = launch_column_sum(row_losses.view(tokens, 1)).view(())
+    _check_target_range(op, target_summary, ignore_index, vocabulary)
     return loss, grad_hidden, grad_weight.to(weight.dtype)
 
 
