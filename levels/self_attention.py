@@ -159,8 +159,12 @@ class SelfAttentionSpec(ComponentSpec):
         for the heads: each level passes its own, PyTorch's reference row F.linear and SDPA."""
         batch, tokens, width = x.shape
         qkv = project(x, self.c_attn.weight, self.c_attn.bias)
-        # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views
-        q, k, v = qkv.view(batch, tokens, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        # (batch, tokens, 3, heads, head_dim) -> three (batch, heads, tokens, head_dim) views. Unbound before
+        # the heads are transposed, so that autograd's way back is one pass: unbind's backward stacks the
+        # three gradients straight into qkv's (batch, tokens, 3, heads, head_dim) layout, and the view's is
+        # free. Transposed first (one permute, then unbind), the stack would come out heads-first and the
+        # view's backward would copy all of it once more (at GPT-2 size, 38 MB a layer).
+        q, k, v = (part.transpose(1, 2) for part in qkv.view(batch, tokens, 3, self.n_head, self.head_dim).unbind(2))
         heads = attention(q, k, v) if cache is None else cache.attend(q, k, v, attention)
         merged = heads.transpose(1, 2).reshape(batch, tokens, width)
         return project(merged, self.c_proj.weight, self.c_proj.bias)

@@ -99,6 +99,22 @@ def test_attention_output_merges_its_heads_without_a_copy(level, device):
     assert out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("level", ["native", "cuda"])
+def test_self_attentions_projection_gradient_comes_back_in_one_pass(level):
+    """Self-attention splits q, k and v off one (batch, tokens, 3, heads, head_dim) projection. Its backward
+    stacks their three gradients into that layout in one pass; nothing copies a tensor of that shape again
+    (splitting the heads in the other order cost a second pass: a view's backward copying it all)."""
+    batch, tokens, heads, head_dim = 2, 5, 2, 16
+    module = levels.build("self_attention", level, n_embd=heads * head_dim, n_head=heads)
+    x = torch.randn(batch, tokens, heads * head_dim, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        module(x).sum().backward()
+    projection_shape = [batch, tokens, 3, heads, head_dim]
+    copies = [event.name for event in profile.events()
+              if event.name in ("aten::copy_", "aten::clone") and projection_shape in event.input_shapes]
+    assert copies == [], copies
+
+
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("component,config", [
     ("swish", {"beta": 1.3}), ("layer_norm", {"normalized_shape": 6}), ("rms_norm", {"normalized_shape": 6}),
