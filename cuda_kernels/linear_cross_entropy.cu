@@ -128,7 +128,8 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
 // bits on every run, where atomicAdd from many blocks would not.
 template <typename A>
 __global__ void __launch_bounds__(kMaxThreads)
-mean_loss_kernel(const A* __restrict__ row_losses, A* __restrict__ loss, int64_t rows, const int64_t* __restrict__ n_valid) {
+mean_loss_kernel(const A* __restrict__ row_losses, A* __restrict__ loss, int64_t rows,
+                 const int64_t* __restrict__ n_valid) {
   A sum = 0;
   for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) sum += row_losses[row];
   sum = block_sum(sum);

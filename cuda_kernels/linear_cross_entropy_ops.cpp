@@ -176,7 +176,9 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
         launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count(),
                          stream);
       },
-      [&] { mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count()); });
+      [&] {
+        mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count());
+      });
   valid_targets.check_range(op, ignore_index, vocabulary);
   // The first `vocabulary` rows of a contiguous matrix are contiguous: no copy.
   return {loss, grad_hidden, compute_gradients ? grad_weight.narrow(0, 0, vocabulary) : grad_weight};
