@@ -23,7 +23,6 @@
 // Check
 //   python -m pytest tests -k "linear_cross_entropy and cuda"
 #include <algorithm>
-#include <limits>
 
 #include "binding.h"
 
@@ -97,10 +96,14 @@ class ValidTargets {
   }
 
  private:
+  // Ignored rows stand in as class 0, always in range: one where and one aminmax give both extremes.
   ValidTargets(const at::Tensor& targets, const at::Tensor& valid)
-      : count_(valid.sum()),
-        summary_(at::stack({count_, at::where(valid, targets, std::numeric_limits<int64_t>::max()).min(),
-                            at::where(valid, targets, std::numeric_limits<int64_t>::min()).max()})) {}
+      : count_(valid.sum()), summary_(with_extremes(count_, at::where(valid, targets, 0))) {}
+
+  static at::Tensor with_extremes(const at::Tensor& count, const at::Tensor& targets) {
+    const auto [smallest, largest] = at::aminmax(targets);
+    return at::stack({count, smallest, largest});
+  }
 
   at::Tensor count_;
   OnTheWayToHost summary_;
