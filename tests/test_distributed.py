@@ -46,6 +46,28 @@ def test_two_processes_on_half_batches_match_one_process_on_the_whole_batch(leve
     assert any(not torch.equal(initial[name], alone[name]) for name in alone)
 
 
+def test_fsdp_shards_the_matrices_and_leaves_the_vectors_whole_for_its_optimizer_to_average():
+    """FSDP2's host work is per parameter, so it manages only the matrices (``replicated_parameters``);
+    the vectors stay plain tensors on every process, and ``ShardedAdamW`` updates both kinds."""
+    from torch.distributed.tensor import DTensor
+
+    from profiling.distributed import CONFIGS, ShardedAdamW, build_model, build_optimizer, replicated_parameters
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model("native", CONFIGS["tiny"], "fsdp", torch.device("cpu"))
+        sharded = {name for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)}
+        matrices = {name for name, parameter in model.named_parameters() if parameter.dim() >= 2}
+        assert sharded == matrices and "wte.weight" in sharded and "h.0.ln_1.bias" not in sharded
+        assert replicated_parameters(model) == {parameter for name, parameter in model.named_parameters()
+                                                if name not in matrices}
+        optimizer = build_optimizer(model, "native")
+        assert isinstance(optimizer, ShardedAdamW)
+        assert len(optimizer.shards) + len(optimizer.replicated) == len(list(model.parameters()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
     """``torchrun -m profiling.distributed`` trains on process 0 alone, then on both, and prints the
     scaling efficiency of the two runs; rank 0's CSV holds every step of both. With ``--each-alone``
