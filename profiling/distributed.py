@@ -51,13 +51,12 @@ BLOCKS_PER_UNIT = 12
 """Blocks FSDP gathers and reshards together: GPT-2 small's twelve in one unit, beside the root's
 (embeddings, final norm, LM head). FSDP2's bookkeeping costs host time per unit and per parameter on
 every step (hooks, DTensor views, copies into and out of the communication buffers), and a level-5
-GPT-2 step of 8 × 1024 tokens keeps an H100 busy for only ~20 ms, so the host, not the GPU or the
-NVLink, sets the pace. Kept gathered from forward to backward (``build_model``), a unit of four blocks
-holds its weights as long as one of twelve does: fewer units cost no memory at the step's peak, only
-the overlap of the first all-gather and the last reduce-scatter with compute (~0.5 ms each for
-GPT-2 small's 170 MB over NVLink). Measured on 2 × H100, two launches each alternated in one call,
-FSDP's tokens/s per GPU on two GPUs: 243k and 296k with units of four blocks, 285k and 339k with one
-unit of twelve."""
+GPT-2 step of 8 × 1024 tokens keeps an H100 busy for only about 20 ms, so the host, not the GPU or
+the NVLink, sets the pace. Kept gathered from forward to backward (``build_model``), units of four
+blocks hold every weight at the step's peak as one unit of twelve does: fewer units cost no memory,
+only the overlap of the first all-gather and the last reduce-scatter with compute (GPT-2 small's
+170 MB over NVLink: well under a millisecond each). On 2 × H100, one unit gave FSDP more tokens/s
+per GPU than units of four in both rounds of an alternated A/B (``profiling/results/h100x2/README.md``)."""
 
 
 BUCKET_MB = 100
@@ -114,12 +113,13 @@ def replicated_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
     """The parameters FSDP leaves whole on every process: the vectors (norms' weights and biases, the
     linear layers' biases), 98 of GPT-2 small's 148 parameters and 0.1 % of its elements.
 
-    FSDP2 spends host time on every parameter it manages, every step: it builds a DTensor for each
-    shard and each gradient, points each module at the gathered or the sharded tensor, and sizes each
-    one's storage up and down (on an H100 host, ~20 ms a GPT-2 small step on one GPU, as long as the
-    GPU's whole step). Sharding a vector of 768 numbers saves a few kilobytes and costs as much host time as
-    sharding a matrix. So, as DeepSpeed's ZeRO-3 keeps parameters under its "persistence threshold"
-    whole, these stay replicated, and ``ShardedAdamW`` averages their gradients itself."""
+    FSDP2 spends host time on every parameter it manages, every step: it builds a DTensor for each shard and
+    each gradient, points each module at the gathered or the sharded tensor, and sizes each one's storage up and
+    down. For GPT-2 small's 148 parameters on one H100 that added nearly as much host time as the GPU spends on
+    the whole step (``profiling/results/h100x4/README.md``). Sharding a vector of 768 numbers saves a few
+    kilobytes and costs as much host time as sharding a matrix. So, as DeepSpeed's ZeRO-3 keeps parameters under
+    its "persistence threshold" whole, these stay replicated, and ``ShardedAdamW`` averages their gradients
+    itself."""
     return {parameter for parameter in model.parameters() if parameter.dim() < 2}
 
 
