@@ -25,8 +25,10 @@ the table of the committed several-GPU run, which lesson 11 shows.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -65,7 +67,8 @@ BUCKET_MB = 100
 
 def build_model(level: str, config: dict, strategy: str | None, device: torch.device, group=None,
                 dtype: torch.dtype | None = None, blocks_per_unit: int = BLOCKS_PER_UNIT,
-                reshard_after_forward: bool = False, bucket_mb: float = BUCKET_MB) -> torch.nn.Module:
+                reshard_after_forward: bool = False, bucket_mb: float = BUCKET_MB,
+                replicate_vectors: bool = True) -> torch.nn.Module:
     """The GPT at ``level``, the same initial weights on every process (seed 0), moved to ``device``
     and ``dtype`` and then wrapped for ``strategy`` over ``group`` (default: every process); with
     ``strategy`` None, not wrapped. Moved first, because both wrappers lay out memory for the
@@ -74,7 +77,8 @@ def build_model(level: str, config: dict, strategy: str | None, device: torch.de
     FSDP shards every ``blocks_per_unit`` blocks as one unit, and the embeddings, final norm and LM
     head as the root's. ``reshard_after_forward`` False keeps a unit's gathered parameters from its
     forward to its backward (one all-gather a step instead of two: the memory of the whole
-    parameters for a third less traffic; gradients and optimizer state stay sharded either way)."""
+    parameters for a third less traffic; gradients and optimizer state stay sharded either way).
+    ``replicate_vectors`` False shards every parameter, the vectors too (``replicated_parameters``)."""
     torch.manual_seed(0)
     model = levels.build("gpt", level, **config).to(device, dtype)
     if strategy is None:
@@ -102,7 +106,7 @@ def build_model(level: str, config: dict, strategy: str | None, device: torch.de
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
-    blocks, replicated = list(model.h), replicated_parameters(model)
+    blocks, replicated = list(model.h), replicated_parameters(model) if replicate_vectors else set()
     for first in range(0, len(blocks), blocks_per_unit):
         fully_shard(blocks[first:first + blocks_per_unit], mesh=mesh, reshard_after_forward=reshard_after_forward,
                     ignored_params=replicated)
@@ -182,6 +186,58 @@ def build_optimizer(model: torch.nn.Module, level: str):
     if isinstance(model, FSDPModule):
         return ShardedAdamW(model, level, **hyperparameters)
     return levels.build_optimizer(level, model.parameters(), **hyperparameters)
+
+
+THIN = {"vocab_size": 64, "n_layer": 12, "n_head": 2, "n_embd": 32, "block_size": 16}
+"""GPT-2 small's twelve blocks and 148 parameters at a width that leaves the CPU almost nothing to
+compute: a training step's time is then the host's work around the kernels."""
+
+WRAPPINGS = {
+    "unwrapped": {"strategy": None},
+    "DDP": {"strategy": "ddp"},
+    "FSDP, a unit a block, every parameter sharded": {"strategy": "fsdp", "blocks_per_unit": 1,
+                                                      "replicate_vectors": False},
+    "FSDP, one unit, every parameter sharded": {"strategy": "fsdp", "replicate_vectors": False},
+    "FSDP, one unit, vectors replicated (launched)": {"strategy": "fsdp"},
+}
+"""The wrappings ``host_milliseconds_per_step`` compares: ``build_model``'s arguments beside the level."""
+
+
+def host_milliseconds_per_step(level: str = "cuda", steps: int = 20, rounds: int = 3) -> pd.DataFrame:
+    """What each of ``WRAPPINGS`` adds to a training step's host work: the ``THIN`` GPT at ``level`` on
+    the CPU, one gloo process (a process group of one, made here and destroyed after: call it where no
+    group exists), a batch of 8 tokens. Per wrapping: the parameters FSDP manages and its units, and
+    the ms of a step, the fastest of ``rounds`` rounds of ``steps`` steps, the wrappings taking turns
+    within each round so that a busy moment of the machine falls on all of them alike."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, THIN["vocab_size"], (1, 9), generator=generator)
+        trainers, rows = {}, {}
+        for name, wrapping in WRAPPINGS.items():
+            arguments = {key: value for key, value in wrapping.items() if key != "strategy"}
+            model = build_model(level, THIN, wrapping["strategy"], torch.device("cpu"), **arguments)
+            optimizer = build_optimizer(model, level)
+            trainers[name] = lambda model=model, optimizer=optimizer: step_on_slices(
+                model, optimizer, tokens[:, :-1], tokens[:, 1:], 0, 1)
+            sharded = sum(isinstance(parameter, DTensor) for parameter in model.parameters())
+            # the root's unit and one a group of blocks
+            blocks_per_unit = arguments.get("blocks_per_unit", BLOCKS_PER_UNIT)
+            units = 1 + math.ceil(THIN["n_layer"] / blocks_per_unit) if wrapping["strategy"] == "fsdp" else 0
+            rows[name] = {"FSDP units": units, "parameters FSDP manages": sharded, "ms a step": float("inf")}
+        for train in trainers.values():
+            train()  # first calls: allocations, DDP's static graph, FSDP's lazy init
+        for _ in range(rounds):
+            for name, train in trainers.items():
+                start = time.perf_counter()
+                for _ in range(steps):
+                    train()
+                rows[name]["ms a step"] = min(rows[name]["ms a step"], (time.perf_counter() - start) / steps * 1e3)
+    finally:
+        dist.destroy_process_group()
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table["over unwrapped"] = table["ms a step"] - table.loc["unwrapped", "ms a step"]
+    return table
 
 
 def global_batch(step: int, batch: int, seq: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

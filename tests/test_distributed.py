@@ -68,6 +68,18 @@ def test_fsdp_shards_the_matrices_and_leaves_the_vectors_whole_for_its_optimizer
         torch.distributed.destroy_process_group()
 
 
+def test_the_lessons_host_cost_table_times_every_wrapping_and_counts_what_fsdp_manages():
+    from profiling.distributed import THIN, WRAPPINGS, host_milliseconds_per_step
+
+    table = host_milliseconds_per_step("native", steps=1, rounds=1)
+    assert list(table.index) == list(WRAPPINGS)
+    # 12 blocks: 148 parameters, 50 of them matrices; a unit per block and the root's, or one and the root's.
+    assert table["parameters FSDP manages"].tolist() == [0, 0, 148, 148, 50] and THIN["n_layer"] == 12
+    assert table["FSDP units"].tolist() == [0, 0, 13, 2, 2]
+    assert (table["ms a step"] > 0).all() and table.loc["unwrapped", "over unwrapped"] == 0
+    assert not torch.distributed.is_initialized()  # its one-process group is gone
+
+
 def test_the_launcher_measures_one_process_then_all_in_one_run(tmp_path):
     """``torchrun -m profiling.distributed`` trains on process 0 alone, then on both, and prints the
     scaling efficiency of the two runs; rank 0's CSV holds every step of both. With ``--each-alone``
