@@ -348,6 +348,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--reshard-after-forward", action="store_true",
                         help="FSDP: free each unit's gathered parameters after its forward and gather them "
                              "again for its backward (less memory, a third more traffic)")
+    parser.add_argument("--shard-vectors", action="store_true",
+                        help="FSDP: shard the vectors too (norms' weights and biases, linear biases), which "
+                             "replicated_parameters otherwise leaves whole on every process")
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="DDP: megabytes of gradients a bucket "
                         "(an all-reduce) holds")
     parser.add_argument("--each-alone", action="store_true",
@@ -380,7 +383,8 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
     rank, processes = dist.get_rank(group), dist.get_world_size(group)
     config = CONFIGS[arguments.config]
     model = build_model(level, config, arguments.strategy, device, group, getattr(torch, arguments.dtype),
-                        arguments.blocks_per_unit, arguments.reshard_after_forward, arguments.bucket_mb)
+                        arguments.blocks_per_unit, arguments.reshard_after_forward, arguments.bucket_mb,
+                        not arguments.shard_vectors)
     optimizer = build_optimizer(model, level)
     batches = [[tensor.to(device) for tensor in global_batch(step, arguments.batch * processes, arguments.seq,
                                                              config["vocab_size"])] for step in range(arguments.steps)]
