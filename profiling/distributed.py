@@ -25,6 +25,7 @@ the table of the committed several-GPU run, which lesson 11 shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -156,7 +157,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         # Grad mode off, as in torch.optim's steps; it also makes to_local() an attribute read instead of
-        # an autograd Function's call, ~150 of them a step.
+        # an autograd Function's call, one a shard and step.
         for parameter, shard in self.shards.items():
             shard.grad = None if parameter.grad is None else parameter.grad.to_local()
         self.average_replicated_gradients()
@@ -203,14 +204,23 @@ WRAPPINGS = {
 """The wrappings ``host_milliseconds_per_step`` compares: ``build_model``'s arguments beside the level."""
 
 
-def host_milliseconds_per_step(level: str = "cuda", steps: int = 20, rounds: int = 3) -> pd.DataFrame:
-    """What each of ``WRAPPINGS`` adds to a training step's host work: the ``THIN`` GPT at ``level`` on
-    the CPU, one gloo process (a process group of one, made here and destroyed after: call it where no
-    group exists), a batch of 8 tokens. Per wrapping: the parameters FSDP manages and its units, and
-    the ms of a step, the fastest of ``rounds`` rounds of ``steps`` steps, the wrappings taking turns
-    within each round so that a busy moment of the machine falls on all of them alike."""
+@contextlib.contextmanager
+def one_process_group():
+    """A gloo process group of this process alone, for the length of the block: enough to build and
+    step DDP or FSDP without torchrun or a second process. Call it where no group exists."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def host_milliseconds_per_step(level: str = "cuda", steps: int = 20, rounds: int = 3) -> pd.DataFrame:
+    """What each of ``WRAPPINGS`` adds to a training step's host work: the ``THIN`` GPT at ``level`` on the CPU,
+    one gloo process (``one_process_group``), a batch of 8 tokens. Per wrapping: the parameters FSDP manages
+    and its units, and the ms of a step, the fastest of ``rounds`` rounds of ``steps`` steps, the wrappings
+    taking turns within each round so that a busy moment of the machine falls on all of them alike."""
+    with one_process_group():
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, THIN["vocab_size"], (1, 9), generator=generator)
         trainers, rows = {}, {}
@@ -233,8 +243,6 @@ def host_milliseconds_per_step(level: str = "cuda", steps: int = 20, rounds: int
                 for _ in range(steps):
                     train()
                 rows[name]["ms a step"] = min(rows[name]["ms a step"], (time.perf_counter() - start) / steps * 1e3)
-    finally:
-        dist.destroy_process_group()
     table = pd.DataFrame.from_dict(rows, orient="index")
     table["over unwrapped"] = table["ms a step"] - table.loc["unwrapped", "ms a step"]
     return table

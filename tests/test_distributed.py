@@ -51,10 +51,10 @@ def test_fsdp_shards_the_matrices_and_leaves_the_vectors_whole_for_its_optimizer
     the vectors stay plain tensors on every process, and ``ShardedAdamW`` updates both kinds."""
     from torch.distributed.tensor import DTensor
 
-    from profiling.distributed import CONFIGS, ShardedAdamW, build_model, build_optimizer, replicated_parameters
+    from profiling.distributed import (CONFIGS, ShardedAdamW, build_model, build_optimizer, one_process_group,
+                                      replicated_parameters)
 
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
+    with one_process_group():
         model = build_model("native", CONFIGS["tiny"], "fsdp", torch.device("cpu"))
         sharded = {name for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)}
         matrices = {name for name, parameter in model.named_parameters() if parameter.dim() >= 2}
@@ -64,8 +64,6 @@ def test_fsdp_shards_the_matrices_and_leaves_the_vectors_whole_for_its_optimizer
         optimizer = build_optimizer(model, "native")
         assert isinstance(optimizer, ShardedAdamW)
         assert len(optimizer.shards) + len(optimizer.replicated) == len(list(model.parameters()))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_the_lessons_host_cost_table_times_every_wrapping_and_counts_what_fsdp_manages():
