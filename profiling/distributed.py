@@ -36,7 +36,6 @@ from typing import NoReturn
 import pandas as pd
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import levels
 from levels.gpt import GPT2_SMALL, TINY
@@ -140,6 +139,8 @@ class ShardedAdamW:
     in sight, and the DTensors see the new values because they share that storage."""
 
     def __init__(self, model: torch.nn.Module, level: str, **hyperparameters):
+        from torch.distributed.tensor import DTensor
+
         self.parameters = list(model.parameters())
         sharded = [parameter for parameter in self.parameters if isinstance(parameter, DTensor)]
         self.replicated = [parameter for parameter in self.parameters if not isinstance(parameter, DTensor)]
@@ -194,14 +195,13 @@ THIN = {"vocab_size": 64, "n_layer": 12, "n_head": 2, "n_embd": 32, "block_size"
 compute: a training step's time is then the host's work around the kernels."""
 
 WRAPPINGS = {
-    "unwrapped": {"strategy": None},
-    "DDP": {"strategy": "ddp"},
-    "FSDP, a unit a block, every parameter sharded": {"strategy": "fsdp", "blocks_per_unit": 1,
-                                                      "replicate_vectors": False},
-    "FSDP, one unit, every parameter sharded": {"strategy": "fsdp", "replicate_vectors": False},
-    "FSDP, one unit, vectors replicated (launched)": {"strategy": "fsdp"},
+    "unwrapped": (None, {}),
+    "DDP": ("ddp", {}),
+    "FSDP, a unit a block, every parameter sharded": ("fsdp", {"blocks_per_unit": 1, "replicate_vectors": False}),
+    "FSDP, one unit, every parameter sharded": ("fsdp", {"replicate_vectors": False}),
+    "FSDP, one unit, vectors replicated (launched)": ("fsdp", {}),
 }
-"""The wrappings ``host_milliseconds_per_step`` compares: ``build_model``'s arguments beside the level."""
+"""The wrappings ``host_milliseconds_per_step`` compares: (strategy, ``build_model``'s other arguments)."""
 
 
 @contextlib.contextmanager
@@ -220,20 +220,21 @@ def host_milliseconds_per_step(level: str = "cuda", steps: int = 20, rounds: int
     one gloo process (``one_process_group``), a batch of 8 tokens. Per wrapping: the parameters FSDP manages
     and its units, and the ms of a step, the fastest of ``rounds`` rounds of ``steps`` steps, the wrappings
     taking turns within each round so that a busy moment of the machine falls on all of them alike."""
+    from torch.distributed.tensor import DTensor
+
     with one_process_group():
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, THIN["vocab_size"], (1, 9), generator=generator)
         trainers, rows = {}, {}
-        for name, wrapping in WRAPPINGS.items():
-            arguments = {key: value for key, value in wrapping.items() if key != "strategy"}
-            model = build_model(level, THIN, wrapping["strategy"], torch.device("cpu"), **arguments)
+        for name, (strategy, arguments) in WRAPPINGS.items():
+            model = build_model(level, THIN, strategy, torch.device("cpu"), **arguments)
             optimizer = build_optimizer(model, level)
             trainers[name] = lambda model=model, optimizer=optimizer: step_on_slices(
                 model, optimizer, tokens[:, :-1], tokens[:, 1:], 0, 1)
             sharded = sum(isinstance(parameter, DTensor) for parameter in model.parameters())
             # the root's unit and one a group of blocks
             blocks_per_unit = arguments.get("blocks_per_unit", BLOCKS_PER_UNIT)
-            units = 1 + math.ceil(THIN["n_layer"] / blocks_per_unit) if wrapping["strategy"] == "fsdp" else 0
+            units = 1 + math.ceil(THIN["n_layer"] / blocks_per_unit) if strategy == "fsdp" else 0
             rows[name] = {"FSDP units": units, "parameters FSDP manages": sharded, "ms a step": float("inf")}
         for train in trainers.values():
             train()  # first calls: allocations, DDP's static graph, FSDP's lazy init
@@ -391,8 +392,9 @@ def timed_steps(arguments: argparse.Namespace, level: str, device: torch.device,
     rank, processes = dist.get_rank(group), dist.get_world_size(group)
     config = CONFIGS[arguments.config]
     model = build_model(level, config, arguments.strategy, device, group, getattr(torch, arguments.dtype),
-                        arguments.blocks_per_unit, arguments.reshard_after_forward, arguments.bucket_mb,
-                        not arguments.shard_vectors)
+                        blocks_per_unit=arguments.blocks_per_unit,
+                        reshard_after_forward=arguments.reshard_after_forward, bucket_mb=arguments.bucket_mb,
+                        replicate_vectors=not arguments.shard_vectors)
     optimizer = build_optimizer(model, level)
     batches = [[tensor.to(device) for tensor in global_batch(step, arguments.batch * processes, arguments.seq,
                                                              config["vocab_size"])] for step in range(arguments.steps)]
