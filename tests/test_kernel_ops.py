@@ -1,6 +1,7 @@
 """Levels 4 and 5 are our own ops: check their gradients numerically (float64 ``gradcheck``) and
 their registration (``torch.library.opcheck``: schema, fake tensor, autograd, torch.compile)."""
 
+import importlib
 import shutil
 
 import pytest
@@ -10,7 +11,9 @@ from torch.func import functional_call
 import levels
 from levels.backends import cuda_backend, triton_backend
 
-from .conftest import kernel_level_device_params
+from levels.spec import TOLERANCE, relative_max_error
+
+from .conftest import device_dtype_params, kernel_level_device_params
 
 NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kernels", cuda_backend)}
 
@@ -152,6 +155,45 @@ def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
     assert torch.autograd.gradcheck(backend.linear, (x, fc_weight, fc_bias), fast_mode=True)
     assert torch.autograd.gradcheck(backend.feed_forward, (x, fc_weight, fc_bias, proj_weight, proj_bias),
                                     fast_mode=True)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
+@pytest.mark.parametrize("rows,columns,depth", [(70, 40, 45), (70, 40, 0), (0, 40, 45)],
+                         ids=["tiles-and-a-tail", "empty-depth", "no-rows"])
+def test_the_level_4_matmul_sums_the_rows_of_a_as_it_multiplies(rows, columns, depth, device, dtype):
+    """A weight gradient's matmul gives the bias gradient too: Σ_k A[m, k] for every row of every tile-row,
+    stored once (by tile-column 0), with a K that ends in a partial step, or no K at all. A is read
+    transposed in place, as grad_outᵀ is."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    a = torch.randn(depth, rows, dtype=dtype, device=device).t()
+    b = torch.randn(depth, columns, dtype=dtype, device=device)
+    row_sums = torch.full((rows,), float("nan"), dtype=dtype, device=device)
+    product = matmul.launch_matmul(a, b, row_sums=row_sums)
+    wanted_product, wanted_sums = a.double() @ b.double(), a.double().sum(dim=1)
+    assert relative_max_error(product.double(), wanted_product) <= TOLERANCE[dtype]
+    assert relative_max_error(row_sums.double(), wanted_sums) <= TOLERANCE[dtype]
+
+
+def test_the_level_4_matmul_refuses_row_sums_it_has_no_programs_for():
+    """An (M, 0) product launches no program, so nothing would sum A's M rows: an error, not zeros."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 0, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"\(M, N\) = \(4, 0\)"):
+        matmul.launch_matmul(a, b, row_sums=torch.empty(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_a_linear_layer_without_input_features_still_gets_its_bias_gradient(level, device):
+    """x·Wᵀ + b with no input features is b on every row, and b's gradient is Σ_rows grad_y, although the
+    weight gradient's matmul is empty."""
+    backend = NAMESPACES[level][1]()
+    x = torch.randn(5, 0, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.randn(3, 0, dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, device=device, requires_grad=True)
+    grad_y = torch.randn(5, 3, dtype=torch.float64, device=device)
+    backend.linear(x, weight, bias).backward(grad_y)
+    torch.testing.assert_close(bias.grad, grad_y.sum(dim=0))
+    assert weight.grad.shape == (3, 0) and x.grad.shape == (5, 0)
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())

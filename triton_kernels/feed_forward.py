@@ -10,7 +10,8 @@ What it computes
                    grad_W_proj = grad_yᵀ·a,   grad_b_proj = Σ_rows grad_y
                    grad_W_fc = grad_hᵀ·x,     grad_b_fc = Σ_rows grad_h,   grad_x = grad_h·W_fc
     Every transpose (Wᵀ, grad_yᵀ, grad_hᵀ) is a strided view that the matmul kernel reads in place
-    (matmul.py); the row sums are matmul.py's column-sum kernel. h and a are saved for the backward.
+    (matmul.py). The bias gradients are summed by the weight gradients' matmuls, which read grad_y and
+    grad_h along their K anyway (matmul.py's ``row_sums``). h and a are saved for the backward.
     The feed-forward's weights may also come as the transpose of a contiguous matrix: GPT-2's Conv1D in
     Hugging Face stores (in, out), and levels.huggingface passes it as a view. Their gradients are then
     made in that layout, grad_Wᵀ = xᵀ·grad_h, so autograd accumulates them into the (in, out) parameter
@@ -44,14 +45,15 @@ Measured (H100 80GB HBM3, Triton 3.6, bfloat16, 8192 tokens, C = 768, H = 3072; 
                                         1614 µs   torch.compile 881, eager PyTorch 496    0.55 ×
     The last line was host time: ten launches (six matmuls, two two-pass column sums) with their
     checks, issued from Python, for 0.6 ms of GPU work. launch.py has since cut the Python around
-    each launch (profiling/results/host_path.md); the GPU rows above await a new run.
+    each launch (profiling/results/host_path.md), and the bias gradients now come out of the weight
+    gradients' matmuls, which leaves six launches (what that did on an H100, kernel by kernel and for a
+    training step: profiling/results/h100/bias-gradients.md).
 
 What it does not do (yet)
     Overlap a tile's epilogue with the next tile's K loop (a persistent kernel, two programs per SM
     or warp specialization) or load through the tensor-memory accelerator: what cuBLAS does, and
-    what the gaps above ask for. Sum the bias gradients inside the weight-gradient matmuls: they are
-    a separate column sum, two launches each. Split K: the weight gradients (K = tokens, output
-    768 × 3072) have few tiles, so part of the GPU idles in their last wave.
+    what the gaps above ask for. Split K: the weight gradients (K = tokens, output 768 × 3072) have
+    few tiles, so part of the GPU idles in their last wave.
 
 Limits
     x (tokens, C) with any number of rows and features; weights in nn.Linear's (out, in) layout (the
@@ -153,9 +155,10 @@ def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return launch_linear_bwd_unchecked(grad_out, x, weight)
 
 
-def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
-    """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
-    return launch_matmul(grad_out, weight), launch_matmul(grad_out.t(), x), launch_column_sum(grad_out)
+def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool = True):
+    """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
+    which passes ``has_bias`` (without a bias, the gradient comes back None and is never summed)."""
+    return launch_matmul(grad_out, weight), *_weight_gradients(grad_out, x, weight, has_bias)
 
 
 def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_for_backward: bool = True):
@@ -180,19 +183,29 @@ def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation,
     return launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
 
 
-def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
-    """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
+def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation,
+                                      has_bias: bool = True):
+    """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
+    which passes ``has_bias`` (without biases, their gradients come back None and are never summed)."""
     grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (launch_matmul(grad_pre_activation, fc_weight), _weight_gradient(grad_pre_activation, x, fc_weight),
-            launch_column_sum(grad_pre_activation), _weight_gradient(grad_out, activation, proj_weight),
-            launch_column_sum(grad_out))
+    return (launch_matmul(grad_pre_activation, fc_weight), *_weight_gradients(grad_pre_activation, x, fc_weight, has_bias),
+            *_weight_gradients(grad_out, activation, proj_weight, has_bias))
 
 
-def _weight_gradient(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """grad_outᵀ·x in ``weight``'s own layout: for a transposed weight, (xᵀ·grad_out)ᵀ, the same matmul."""
-    if _is_transposed(weight):
-        return launch_matmul(x.t(), grad_out).t()
-    return launch_matmul(grad_out.t(), x)
+def _weight_gradients(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
+    """(grad_weight, grad_bias): grad_outᵀ·x in ``weight``'s own layout and, with a bias, Σ_tokens grad_out
+    (else None). The matmul's K is the tokens, so it reads all of grad_out (as its A, transposed in place)
+    and sums A's rows as it goes: the bias gradient costs no launch of its own (matmul.py's ``row_sums``).
+
+    A transposed weight gets (xᵀ·grad_out)ᵀ, the same matmul with grad_out as B, and a column-sum kernel
+    for the bias: summing B's columns inside the matmul (a ones·B product) ran slower than that kernel on
+    an H100, and Triton 3.6 compiled it wrong there at two GPT-2 shapes, the product itself included
+    (profiling/results/h100/bias-gradients.md). So does an x without features, whose empty product has
+    no programs to sum anything."""
+    if _is_transposed(weight) or x.shape[1] == 0:
+        return launch_matmul(x.t(), grad_out).t(), launch_column_sum(grad_out) if has_bias else None
+    grad_bias = grad_out.new_empty(grad_out.shape[1]) if has_bias else None
+    return launch_matmul(grad_out.t(), x, row_sums=grad_bias), grad_bias
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -305,8 +318,7 @@ class _LinearEager(EagerFunction):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_weight, grad_bias = launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors)
-        return grad_x, grad_weight, grad_bias if ctx.has_bias else None
+        return launch_linear_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors, has_bias=ctx.has_bias)
 
 
 class _FeedForwardEager(EagerFunction):
@@ -321,11 +333,7 @@ class _FeedForwardEager(EagerFunction):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias = launch_feed_forward_bwd_unchecked(
-            grad_out.contiguous(), *ctx.saved_tensors)
-        if not ctx.has_bias:
-            grad_fc_bias = grad_proj_bias = None
-        return grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias
+        return launch_feed_forward_bwd_unchecked(grad_out.contiguous(), *ctx.saved_tensors, has_bias=ctx.has_bias)
 
 
 def _wants_gradient(*tensors) -> bool:

@@ -12,7 +12,11 @@ What it computes
             accumulate                        C += A·B, C read before the store: a sum over several
                                               launches (linear_cross_entropy's weight gradient,
                                               chunk by chunk), in float32 while A and B are 16-bit
-    ``_column_sum_kernel``    the sums down the columns of a (rows, N) matrix: bias gradients
+                              and, from the A tiles the K loop loads anyway, optionally Σ_k A[m, k]:
+                              a weight gradient grad_outᵀ·x reads all of grad_out along K (the
+                              tokens), and grad_out's sums over the tokens are the bias gradient
+    ``_column_sum_kernel``    the sums down the columns of a (rows, N) matrix (a transposed weight's bias
+                              gradient, the loss's row terms)
 
 The one idea that makes it fast
     Each program owns one (BLOCK_M, BLOCK_N) tile of C and walks K in steps of BLOCK_K, so every
@@ -38,6 +42,9 @@ Launch
     INTERPRETER_TILE: tuning there would time every candidate in a slow simulation. ``_tile_choice`` is
     the one place that decides. The column sum: two passes when there are many rows (partial sums of row
     chunks, then a sum of the partials), one otherwise.
+    The row sums (a bias gradient) cost a weight gradient's matmul less than a column-sum kernel after it
+    would, and two launches fewer, except where the matmul is one wave of programs and those of
+    tile-column 0 set its time (profiling/results/h100/bias-gradients.md).
 
 Measured (H100 80GB HBM3, Triton 3.6, bfloat16; the GPT-2-small feed-forward's matmuls at 8192
 tokens, 38.7 GFLOP each; medians with L2 flushed; cuBLAS through ATen in brackets)
@@ -214,10 +221,10 @@ def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
-def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                   EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   stride_cm, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile_row, tile_col = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,14 +235,28 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_am, stride_ak, 
     B += depth[:, None] * stride_bk + (cols % N).to(tl.int64)[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), COMPUTE)
+    if ROW_SUMS:
+        # Σ_k A[m, k] as a product too: A·ones(BLOCK_K, 16) is one more small MMA on the A tile already
+        # in shared memory, 16 columns beside the tile's BLOCK_N (6-12 % more tensor-core work), where a
+        # tl.sum would first copy the tile into registers. Every program runs it, and the programs of
+        # tile-column 0 store it: a branch on that inside the loop kept the loop from being pipelined
+        # (the measured cost: profiling/results/h100/bias-gradients.md).
+        row_sums = tl.zeros((BLOCK_M, 16), COMPUTE)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         depth_left = K - step * BLOCK_K
         a = tl.load(A, mask=depth[None, :] < depth_left, other=0.0)
         b = tl.load(B, mask=depth[:, None] < depth_left, other=0.0)
         # out_dtype: a float64 accumulator must say so (tl.dot's default is float32).
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+        if ROW_SUMS:
+            row_sums = tl.dot(a, tl.full((BLOCK_K, 16), 1.0, a.dtype), row_sums, input_precision=DOT_PRECISION,
+                              out_dtype=COMPUTE)
         A += BLOCK_K * stride_ak  # pointer steps, not k·stride offsets: no 32-bit overflow at any K
         B += BLOCK_K * stride_bk
+    if ROW_SUMS:
+        if tile_col == 0:
+            # Each of the 16 columns holds the same sums: tl.max picks one, with no division.
+            tl.store(RowSums + rows, tl.max(row_sums, axis=1).to(RowSums.dtype.element_ty), mask=rows < M)
 
     # The epilogue, on the tile in registers.
     col_mask = cols < N
@@ -260,7 +281,7 @@ _matmul_autotuned = triton.autotune(
     configs=[triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
                            num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in TENSOR_CORE_TILES],
     # Tensor arguments' dtypes join the key by themselves; the strides tell transposed layouts apart.
-    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "EPILOGUE", "HAS_BIAS"],
+    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "EPILOGUE", "HAS_BIAS", "ROW_SUMS"],
     prune_configs_by={"early_config_prune": _tiles_worth_timing},
     # ACCUMULATE reads C: every timing run would add A·B into it once more, so C is put back after timing.
     restore_value=["C"],
@@ -292,12 +313,14 @@ def _tile_of(config: triton.Config) -> MatmulTile:
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
-                  pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  row_sums: torch.Tensor | None = None) -> torch.Tensor:
     """A·B (+ bias) through ``epilogue``, as a new contiguous (M, N) tensor of A's dtype, or into ``out``,
     an (M, N) tensor of any float dtype whose rows are contiguous and may stand apart (a narrowed view of
     a wider buffer: ``linear_cross_entropy`` pads its logits' rows); ACCUMULATE adds to it. ``a`` and ``b``
     may be any strided views. ``pre_activation`` is the (M, N) tensor H: written by GELU_SAVING_PRE_ACTIVATION,
-    read by GELU_BACKWARD.
+    read by GELU_BACKWARD. ``row_sums``, a contiguous M-vector, gets Σ_k A[m, k] (added in the
+    accumulator's dtype) from the same launch.
 
     Unchecked: the callers (the launchers of feed_forward.py and linear_cross_entropy.py) check their
     inputs once for all of their matmuls. Host time bounds a small feed-forward step, and six matmuls'
@@ -306,39 +329,45 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
+        if row_sums is not None and M > 0 and K > 0:
+            raise ValueError("launch_matmul: row_sums are summed by the programs of C's first tile-column, and an "
+                             f"(M, N) = ({M}, 0) product has none: sum A's rows apart")
+        if row_sums is not None:
+            row_sums.zero_()  # an empty sum
         return out
-    args = (a, b, out, bias, pre_activation, M, N, K, *a.stride(), *b.stride(), out.stride(0))
+    args = (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(), *b.stride(), out.stride(0))
     tile = _tile_choice(a.dtype, M * N * K)
     if tile is None:
         # The autotuner's own key: what it times candidates for, and what makes its choice differ.
         key = (M, N, K, *a.stride(), *b.stride(), epilogue, a.dtype, out.dtype, bias is not None,
-               pre_activation is not None)
+               pre_activation is not None, row_sums is not None)
         tile = _tuned_tiles.get(key)
         if tile is None:
             with on_device(a):
                 launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
-                       **_matmul_constants(epilogue, bias is not None, a.dtype, None))
+                       **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None))
             _tuned_tiles[key] = _tile_of(_matmul_autotuned.best_config)
             return out
     with on_device(a):
         launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args,
-               **_matmul_constants(epilogue, bias is not None, a.dtype, tile))
+               **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, tile))
     return out
 
 
 @functools.cache
-def _matmul_constants(epilogue: str, has_bias: bool, dtype: torch.dtype, tile: MatmulTile | None) -> dict:
+def _matmul_constants(epilogue: str, has_bias: bool, row_sums: bool, dtype: torch.dtype,
+                      tile: MatmulTile | None) -> dict:
     """The constexprs and launch options of one matmul configuration, built once (``launch`` does not
     modify them). Without a tile the autotuner adds the tile's own."""
-    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, GROUP_M=GROUP_M, COMPUTE=compute_dtype(dtype),
-                     DOT_PRECISION=dot_input_precision(dtype))
+    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, ROW_SUMS=row_sums, GROUP_M=GROUP_M,
+                     COMPUTE=compute_dtype(dtype), DOT_PRECISION=dot_input_precision(dtype))
     if tile is not None:
         constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                          num_warps=tile.num_warps, num_stages=tile.num_stages)
     return constants
 
 
-# --- column sum (bias gradients) ------------------------------------------------------------------------
+# --- column sum (a transposed weight's bias gradient, the loss's sum of row terms) ------------------------
 
 COLUMN_SUM_TILE = 4096
 """Elements a column-sum program adds per step: 32 a thread at 4 warps, several loads in flight."""
