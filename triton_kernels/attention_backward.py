@@ -79,7 +79,7 @@ class BackwardTiles(NamedTuple):
 BACKWARD_TILES = {
     16: BackwardTiles(AttentionTile(32, 128, 4, 3), AttentionTile(64, 64, 4, 3)),
     32: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
-    64: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
+    64: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
     128: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
     256: BackwardTiles(AttentionTile(32, 32, 8, 2), AttentionTile(64, 32, 8, 2)),
 }
@@ -87,7 +87,9 @@ BACKWARD_TILES = {
 seq 4096, causal, bfloat16). A dk, dv program holds two float32 (block_n, head_dim) accumulators
 besides k and v, so its key block stays at 64 (128 at head_dim 16) and its query steps are small:
 at head_dim 128, (32 queries, 64 keys, 4 warps) ran 1.55 ms, 8 warps 3.58 ms, 64-query steps 2.55 ms.
-The dq program is the forward's shape: 128 queries (64 below head_dim 64) against 64-key blocks.
+The dq program holds one float32 (block_m, head_dim) accumulator: 128 queries at head_dim 128 against
+64-key blocks, 64 queries of 4 warps up to head_dim 64, where twice the programs beat 128-query ones of 8
+warps (profiling/results/h100/attention-backward-tiles.md).
 Tile width 256 (head dims 136 … 256), by arithmetic and not yet measured: a dk, dv program of 32 keys
 holds 2 × 32 × 256 float32 accumulators, 64 registers a thread over 8 warps, and k, v plus 2 stages of
 32-query q, do blocks take 32 + 64 = 96 KB of shared memory; the dq program is the forward's 64 × 32."""
