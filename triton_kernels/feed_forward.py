@@ -155,7 +155,8 @@ def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return launch_linear_bwd_unchecked(grad_out, x, weight)
 
 
-def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool = True):
+def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                has_bias: bool = True):
     """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
     which passes ``has_bias`` (without a bias, the gradient comes back None and is never summed)."""
     return launch_matmul(grad_out, weight), *_weight_gradients(grad_out, x, weight, has_bias)
@@ -188,7 +189,8 @@ def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_a
     """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
     which passes ``has_bias`` (without biases, their gradients come back None and are never summed)."""
     grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
-    return (launch_matmul(grad_pre_activation, fc_weight), *_weight_gradients(grad_pre_activation, x, fc_weight, has_bias),
+    return (launch_matmul(grad_pre_activation, fc_weight),
+            *_weight_gradients(grad_pre_activation, x, fc_weight, has_bias),
             *_weight_gradients(grad_out, activation, proj_weight, has_bias))
 
 

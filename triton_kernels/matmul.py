@@ -237,8 +237,8 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
     acc = tl.zeros((BLOCK_M, BLOCK_N), COMPUTE)
     if ROW_SUMS:
         # Σ_k A[m, k] as a product too: A·ones(BLOCK_K, 16) is one more small MMA on the A tile already
-        # in shared memory, 16 columns beside the tile's BLOCK_N (6-12 % more tensor-core work), where a
-        # tl.sum would first copy the tile into registers. Every program runs it, and the programs of
+        # in shared memory, 16 columns beside the tile's BLOCK_N (a sixteenth more tensor-core work at 256
+        # columns, a quarter at 64), where a tl.sum would first copy the tile into registers. Every program runs it, and the programs of
         # tile-column 0 store it: a branch on that inside the loop kept the loop from being pipelined
         # (the measured cost: profiling/results/h100/bias-gradients.md).
         row_sums = tl.zeros((BLOCK_M, 16), COMPUTE)
