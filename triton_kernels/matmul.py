@@ -242,6 +242,7 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
         # tile-column 0 store it: a branch on that inside the loop kept the loop from being pipelined
         # (the measured cost: profiling/results/h100/bias-gradients.md).
         row_sums = tl.zeros((BLOCK_M, 16), COMPUTE)
+        ones = tl.full((BLOCK_K, 16), 1.0, A.dtype.element_ty)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         depth_left = K - step * BLOCK_K
         a = tl.load(A, mask=depth[None, :] < depth_left, other=0.0)
@@ -249,8 +250,7 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
         # out_dtype: a float64 accumulator must say so (tl.dot's default is float32).
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
         if ROW_SUMS:
-            row_sums = tl.dot(a, tl.full((BLOCK_K, 16), 1.0, a.dtype), row_sums, input_precision=DOT_PRECISION,
-                              out_dtype=COMPUTE)
+            row_sums = tl.dot(a, ones, row_sums, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
         A += BLOCK_K * stride_ak  # pointer steps, not k·stride offsets: no 32-bit overflow at any K
         B += BLOCK_K * stride_bk
     if ROW_SUMS:
