@@ -174,6 +174,52 @@ def test_the_level_4_matmul_sums_the_rows_of_a_as_it_multiplies(rows, columns, d
     assert relative_max_error(row_sums.double(), wanted_sums) <= TOLERANCE[dtype]
 
 
+TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate")]
+"""(B stored transposed, epilogue): every layout and epilogue the TMA kernel takes, with a bias for none."""
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
+@pytest.mark.parametrize("b_transposed,epilogue", TMA_MATMUL_CASES,
+                         ids=[f"{'BT' if bt else 'B'}-{e}" for bt, e in TMA_MATMUL_CASES])
+def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, dtype, monkeypatch):
+    """The persistent TMA kernel, through launch_matmul, against float64: 136 rows (an edge tile-row), 72
+    columns, K = 88 (a partial last step, which the TMA box reads as zeros). On the GPU it runs 16-bit
+    matmuls on a Hopper GPU; every size is made "large" and the autotuner given one candidate, so that
+    the test compiles one kernel a case. Under the interpreter it runs every matmul it can read."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    if device == "cuda":
+        if dtype.itemsize != 2 or not matmul._has_tma(torch.cuda.current_device()):
+            pytest.skip("the TMA kernel runs 16-bit matmuls on a Hopper GPU")
+        monkeypatch.setattr(matmul, "SMALL_MATMUL", 0)
+        monkeypatch.setattr(matmul._matmul_tma_autotuned, "configs", matmul._matmul_tma_autotuned.configs[2:3])
+    monkeypatch.setattr(matmul, "_tuned_tiles", {})
+    rows, columns, depth = 136, 72, 88
+    a = torch.randn(rows, depth, dtype=dtype, device=device)
+    b = (torch.randn(columns, depth, dtype=dtype, device=device).t() if b_transposed
+         else torch.randn(depth, columns, dtype=dtype, device=device))
+    assert matmul._tma_operands(a, b, None, epilogue, None) == (b_transposed, depth, b.stride(1 if b_transposed else 0))
+    bias = torch.randn(columns, dtype=dtype, device=device) if epilogue == "none" else None
+    out = torch.randn(rows, columns, dtype=dtype, device=device)
+    wanted = a.double() @ b.double() + (bias.double() if bias is not None else out.double())
+    matmul.launch_matmul(a, b, epilogue, bias=bias, out=out)
+    assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
+
+
+def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
+    """What the TMA kernel was slower at on an H100 goes to the pointer kernel wherever it runs: A read
+    transposed (a weight gradient), row sums, the GELU epilogues; and what TMA cannot read in place
+    (an outer stride that is not a multiple of 16 bytes) too."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    device = "cpu" if matmul.interpreter_is_on() else "cuda"
+    a, b = torch.randn(64, 32, device=device), torch.randn(32, 48, device=device)
+    assert matmul._tma_operands(a, b, None, "none", None) is not None or device == "cuda"
+    assert matmul._tma_operands(a.t().contiguous().t(), b, None, "none", None) is None
+    assert matmul._tma_operands(a, b, None, "none", torch.empty(64, device=device)) is None
+    for epilogue in ("gelu", "gelu_saving_pre_activation", "gelu_backward"):
+        assert matmul._tma_operands(a, b, None, epilogue, None) is None
+    assert matmul._tma_operands(torch.randn(64, 33, device=device)[:, :32], b, None, "none", None) is None
+
+
 def test_the_level_4_matmul_refuses_row_sums_it_has_no_programs_for():
     """An (M, 0) product launches no program, so nothing would sum A's M rows: an error, not zeros."""
     matmul = importlib.import_module("triton_kernels.matmul")

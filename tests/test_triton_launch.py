@@ -125,14 +125,20 @@ def test_switched_off_or_hooked_calls_always_take_the_jit(kernel, monkeypatch):
     assert len(kernel.recorder.launches) == 1
 
 
-def test_an_autotuned_matmul_asks_the_autotuner_once_per_key_then_launches_its_choice(monkeypatch):
+@pytest.mark.parametrize("kernels", ["pointers", "tma"])
+def test_an_autotuned_matmul_asks_the_autotuner_once_per_key_then_launches_its_choice(monkeypatch, kernels):
+    """Both kernels: the TMA kernel where each operand's outer stride is a multiple of 16 bytes (B's rows
+    100 floats apart), the pointer kernel where it is not (101 floats)."""
     matmul = importlib.import_module("triton_kernels.matmul")
+    tma = kernels == "tma"
+    autotuned, kernel = ((matmul._matmul_tma_autotuned, matmul._matmul_tma_kernel) if tma
+                         else (matmul._matmul_autotuned, matmul._matmul_kernel))
     chosen = matmul.TENSOR_CORE_TILES[1]
     launched = []
 
     def record(kernel, grid, *args, **constants):
         launched.append((kernel, grid, constants))
-        if kernel is matmul._matmul_autotuned:  # what Autotuner.run leaves behind once it has chosen
+        if kernel is autotuned:  # what Autotuner.run leaves behind once it has chosen
             config = triton.Config(dict(BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, BLOCK_K=chosen.block_k),
                                    num_warps=chosen.num_warps, num_stages=chosen.num_stages)
             monkeypatch.setattr(kernel, "best_config", config, raising=False)
@@ -140,16 +146,18 @@ def test_an_autotuned_matmul_asks_the_autotuner_once_per_key_then_launches_its_c
     monkeypatch.setattr(matmul, "launch", record)
     monkeypatch.setattr(matmul, "_tile_choice", lambda dtype, multiply_adds: None)  # every matmul "large"
     monkeypatch.setattr(matmul, "_tuned_tiles", {})
-    a, b = torch.randn(300, 32), torch.randn(32, 100)
+    a, b = torch.randn(300, 32), torch.randn(32, 100 if tma else 101)[:, :100]
+    b_transposed = torch.randn(100, 32 if tma else 33)[:, :32].t()  # columns 32 (or 33) floats apart
     matmul.launch_matmul(a, b)
     matmul.launch_matmul(a, b)
-    matmul.launch_matmul(a, b.t().contiguous().t())  # b transposed in memory: another key, tuned anew
-    assert [kernel for kernel, _, _ in launched] == [matmul._matmul_autotuned, matmul._matmul_kernel,
-                                                     matmul._matmul_autotuned]
+    matmul.launch_matmul(a, b_transposed)  # b transposed in memory: another key, tuned anew
+    assert [kernel for kernel, _, _ in launched] == [autotuned, kernel, autotuned]
     _, grid, constants = launched[1]
-    assert grid == (2 * 1,)  # 300 rows in tiles of 256, 100 columns in one of 128
+    assert grid == (2 * 1,)  # 300 rows in tiles of 256, 100 columns in one of 128 (fewer than 4 programs)
     assert {name: constants[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")} == dict(
         zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), chosen))
+    if tma:
+        assert (constants["B_TRANSPOSED"], launched[2][2]["B_TRANSPOSED"]) == (False, True)
 
 
 # --- no hidden copies ---------------------------------------------------------------------------------

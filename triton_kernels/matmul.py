@@ -23,7 +23,7 @@ The one idea that makes it fast
     element of A is loaded N / BLOCK_N times and every element of B M / BLOCK_M times, not once per
     product. Still, a 128 × 256 tile of bfloat16 does 85 FLOPs per byte it loads, and an H100 does
     ~270 (800 TFLOP/s) in the time its DRAM delivers one byte (3 TB/s): the loads must mostly hit
-    L2. Hence the grouped order (``_tile_of_program``): programs that run together cover GROUP_M
+    L2. Hence the grouped order (``_grouped_tile``): programs that run together cover GROUP_M
     tile-rows of C, so the A rows and B columns they share come from L2, not DRAM. ``num_stages``
     loads are in flight while the tensor cores (wgmma on Hopper) work on the current step.
 
@@ -33,8 +33,9 @@ The one idea that makes it fast
     and writes grad_h. feed_forward.py counts the bytes, and what they came to on an H100.
 
 Launch
-    16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES, once per shape, layout, epilogue and dtype,
-    timing only the tiles ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE untimed.
+    16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES (TMA_TILES for the TMA kernel, which
+    ``_tma_operands`` chooses), once per shape, layout, epilogue and dtype, timing only the tiles
+    ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE untimed.
     The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice directly, as
     every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). float32
     (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss float32's tolerance) and
@@ -46,19 +47,19 @@ Launch
     would, and two launches fewer, except where the matmul is one wave of programs and those of
     tile-column 0 set its time (profiling/results/h100/bias-gradients.md).
 
-Measured (H100 80GB HBM3, Triton 3.6, bfloat16; the GPT-2-small feed-forward's matmuls at 8192
-tokens, 38.7 GFLOP each; medians with L2 flushed; cuBLAS through ATen in brackets)
-    x·W_fcᵀ + b        K = 768     87 µs   443 TFLOP/s    (63 µs)
-    a·W_projᵀ + b      K = 3072    75 µs   515 TFLOP/s    (56 µs)
-    grad_h·W_fc        K = 3072    71 µs   543 TFLOP/s    (55 µs)
-    grad_hᵀ·x          K = 8192    82 µs   472 TFLOP/s    (57 µs; grad_yᵀ·a the same)
-    0.70-0.84 × cuBLAS, whose Hopper kernels are persistent, load through the tensor-memory
-    accelerator and overlap a tile's epilogue with the next tile's loads; here each program loads
-    through cp.async, then stores its tile and ends. The epilogues: feed_forward.py.
+Measured (H100 80GB HBM3, Triton 3.6, bfloat16, GPT-2 small at 8192 tokens; the tables are in
+profiling/results/h100/tma-matmul.md)
+    The pointer kernel runs 0.70-0.84 × cuBLAS. cuBLAS's Hopper kernels are persistent, load through
+    the tensor-memory accelerator, and overlap a tile's epilogue with the next tile's loads. Each of the
+    pointer kernel's programs loads through cp.async, then stores its tile and ends.
+    The TMA kernel closes most of that gap where A is read by rows. The loss's logits matmul, the
+    largest in the model, runs at cuBLAS's speed. The weight gradients (A read transposed, few tiles)
+    and the GELU epilogues stay with the pointer kernel, which was faster there (``_tma_operands``).
+    The epilogues: feed_forward.py.
 
 Limits
-    Any M, N, K (the edge tiles wrap their loads and mask their stores); the output, the bias and H
-    are contiguous. float16, bfloat16, float32, float64 on the GPU, accumulating in float32 (float64
+    Any M, N, K (the edge tiles wrap their loads and mask their stores, or the TMA boxes read zeros past
+    the edges); the output, the bias and H are contiguous. float16, bfloat16, float32, float64 on the GPU, accumulating in float32 (float64
     for float64); float32 and float64 under the CPU interpreter. Autotuning compiles and times the
     candidates at each new (M, N, K) of a large matmul: the first call at a shape costs seconds, and
     must not happen inside a CUDA-graph capture.
@@ -137,6 +138,17 @@ of shared memory two programs fit on an SM, so one's epilogue can overlap the ot
 4-stage twins of the 8-warp 128 × 256 and 256 × 128 tiles, which beat the 3-stage ones by 2 µs at
 most."""
 
+TMA_TILES = [
+    MatmulTile(128, 256, 64, 8, 4),
+    MatmulTile(128, 256, 64, 8, 3),
+    MatmulTile(128, 128, 64, 8, 4),
+    MatmulTile(128, 128, 128, 8, 3),
+]
+"""Candidates for ``_matmul_tma_kernel`` (16-bit, Hopper). Measured on an H100 (Triton 3.6, bfloat16, the
+GPT-2-small feed-forward's six matmuls at 8192 tokens, bias but no other epilogue, L2 flushed): 128 × 256
+in 4 stages won three of them; 128 × 128 won the two with K = 3072 and N = 768, where 128 × 256 makes
+only 192 tiles for 132 SMs. 256 × 128 never won, nor two programs an SM of 128 × 128 (4 or 8 warps)."""
+
 SMALL_MATMUL = 2**30
 """Below this many multiply-adds (M·N·K; ~3 µs of tensor-core work on an H100) a 16-bit matmul takes
 SMALL_MATMUL_TILE untimed: its time is the launch and one short wave of tiles, which no tile choice
@@ -153,7 +165,7 @@ INTERPRETER_TILE = MatmulTile(32, 32, 32, 1, 1)
 computes at odd sizes small."""
 
 GROUP_M = 8
-"""Tile-rows of C per group in the launch order (see ``_tile_of_program``)."""
+"""Tile-rows of C per group in the launch order (see ``_grouped_tile``)."""
 
 
 def _tiles_worth_timing(configs, named_args, **kwargs):
@@ -205,19 +217,48 @@ def _gelu_tanh_derivative(h):
 
 
 @triton.jit
-def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(tile-row, tile-column) of C for this program, in grouped order: consecutive programs go down
-    a group of GROUP_M tile-rows before moving one tile-column right. The programs resident at once
+def _grouped_tile(index, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile-row, tile-column) of C for tile number ``index``, in grouped order: consecutive tiles go
+    down a group of GROUP_M tile-rows before moving one tile-column right. The tiles computed at once
     then cover a near-square patch of C, which reads fewer distinct rows of A and columns of B than a
     strip of one tile-row would: those stay in L2 for the whole patch."""
-    program = tl.program_id(0)
     tile_rows = tl.cdiv(M, BLOCK_M)
-    programs_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_tile_row = program // programs_per_group * GROUP_M
+    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_tile_row = index // tiles_per_group * GROUP_M
     group_height = tl.minimum(tile_rows - first_tile_row, GROUP_M)  # the last group may be shorter
-    tile_row = first_tile_row + (program % programs_per_group) % group_height
-    tile_col = (program % programs_per_group) // group_height
+    tile_row = first_tile_row + (index % tiles_per_group) % group_height
+    tile_col = (index % tiles_per_group) // group_height
     return tile_row, tile_col
+
+
+@triton.jit
+def _finish_tile(acc, row_sums, tile_row, tile_col, C, Bias, PreActivation, RowSums, M, N, stride_cm,
+                 EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """What both matmul kernels do with a finished tile of A·B in registers: the row sums (tile-column 0
+    stores them) and the epilogue, then the one store of the tile."""
+    rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROW_SUMS:
+        if tile_col == 0:
+            # Each of the 16 columns holds the same sums: tl.max picks one, with no division.
+            tl.store(RowSums + rows, tl.max(row_sums, axis=1).to(RowSums.dtype.element_ty), mask=rows < M)
+    col_mask = cols < N
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]  # of the (M, N) pre-activation
+    c_offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]  # C's rows may be padded apart
+    if EPILOGUE == "gelu_backward":
+        pre_activation = tl.load(PreActivation + offsets, mask=mask, other=0.0).to(COMPUTE)
+        acc *= _gelu_tanh_derivative(pre_activation)
+    if EPILOGUE == "gelu_saving_pre_activation":
+        tl.store(PreActivation + offsets, acc.to(PreActivation.dtype.element_ty), mask=mask)
+    if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
+        acc = _gelu_tanh(acc)
+    if EPILOGUE == "accumulate":
+        acc += tl.load(C + c_offsets, mask=mask, other=0.0).to(COMPUTE)
+    tl.store(C + c_offsets, acc.to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -225,7 +266,7 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
                    stride_cm, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    tile_row, tile_col = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tile_row, tile_col = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
@@ -253,28 +294,48 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
             row_sums = tl.dot(a, ones, row_sums, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
         A += BLOCK_K * stride_ak  # pointer steps, not k·stride offsets: no 32-bit overflow at any K
         B += BLOCK_K * stride_bk
-    if ROW_SUMS:
-        if tile_col == 0:
-            # Each of the 16 columns holds the same sums: tl.max picks one, with no division.
-            tl.store(RowSums + rows, tl.max(row_sums, axis=1).to(RowSums.dtype.element_ty), mask=rows < M)
+    _finish_tile(acc, row_sums if ROW_SUMS else acc, tile_row, tile_col, C, Bias, PreActivation, RowSums, M, N,
+                 stride_cm, EPILOGUE, HAS_BIAS, ROW_SUMS, BLOCK_M, BLOCK_N, COMPUTE)
 
-    # The epilogue, on the tile in registers.
-    col_mask = cols < N
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(COMPUTE)[None, :]
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]  # of the (M, N) pre-activation
-    c_offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]  # C's rows may be padded apart
-    if EPILOGUE == "gelu_backward":
-        pre_activation = tl.load(PreActivation + offsets, mask=mask, other=0.0).to(COMPUTE)
-        acc *= _gelu_tanh_derivative(pre_activation)
-    if EPILOGUE == "gelu_saving_pre_activation":
-        tl.store(PreActivation + offsets, acc.to(PreActivation.dtype.element_ty), mask=mask)
-    if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
-        acc = _gelu_tanh(acc)
-    if EPILOGUE == "accumulate":
-        acc += tl.load(C + c_offsets, mask=mask, other=0.0).to(COMPUTE)
-    tl.store(C + c_offsets, acc.to(C.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _matmul_tma_kernel(A, B, C, Bias, M, N, K, stride_a, stride_b, stride_cm, B_TRANSPOSED: tl.constexpr,
+                       EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """``_matmul_kernel``'s product, persistent and fed by the tensor-memory accelerator (Hopper's TMA),
+    for the layouts and epilogues where it measured faster (``_tma_operands``).
+
+    A tensor descriptor names a 2-D box of a matrix in memory; one thread asks the TMA unit for the
+    box, and it lands in shared memory laid out for the tensor cores, edges zero-filled, while the
+    warps go on computing: no address arithmetic or masks per element, and no registers spent on
+    addresses. A transposed B (a weightᵀ) is a descriptor over the weight as it lies, whose box is read
+    transposed from shared memory (``.T``, free: wgmma takes either order).
+
+    Persistent: a grid of about one program per SM walks the tiles in grouped order, and the tile loop
+    and its K loop are flattened into one software pipeline (``flatten=True``), so a program's next
+    tile starts loading while it finishes this one, where one program per tile would drain the
+    pipeline, store and exit at every tile."""
+    a_boxes = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_TRANSPOSED:  # B[k, n] at B + n·stride_b + k: an (N, K) matrix read by (BLOCK_N, BLOCK_K) boxes
+        b_boxes = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_boxes = tl.make_tensor_descriptor(B, shape=[K, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        tile_row, tile_col = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        first_row, first_col = tile_row * BLOCK_M, tile_col * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), COMPUTE)
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            depth = step * BLOCK_K  # the last box reads past K as zeros: no mask
+            a = a_boxes.load([first_row, depth])
+            if B_TRANSPOSED:
+                b = b_boxes.load([first_col, depth]).T
+            else:
+                b = b_boxes.load([depth, first_col])
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+        _finish_tile(acc, acc, tile_row, tile_col, C, Bias, C, C, M, N, stride_cm, EPILOGUE, HAS_BIAS, False, BLOCK_M,
+                     BLOCK_N, COMPUTE)
 
 
 _matmul_autotuned = triton.autotune(
@@ -288,15 +349,69 @@ _matmul_autotuned = triton.autotune(
 )(_matmul_kernel)
 
 
+_matmul_tma_autotuned = triton.autotune(
+    configs=[triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
+                           num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in TMA_TILES],
+    key=["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _tiles_worth_timing},
+    restore_value=["C"],
+)(_matmul_tma_kernel)
+
+
 def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
-    """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES.
-    A small 16-bit matmul gets SMALL_MATMUL_TILE here rather than from the autotuner, which would
-    prune its candidates to that one tile anyway, after keying and looking up its cache on every call."""
+    """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES
+    (or TMA_TILES). A small 16-bit matmul gets SMALL_MATMUL_TILE here rather than from the autotuner,
+    which would prune its candidates to that one tile anyway, after keying and looking up its cache on
+    every call."""
     if interpreter_is_on():
         return INTERPRETER_TILE
     if dtype.itemsize != 2:
         return WIDE_FLOAT_TILE
     return SMALL_MATMUL_TILE if multiply_adds < SMALL_MATMUL else None
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epilogue: str,
+                  row_sums: torch.Tensor | None) -> tuple[bool, int, int] | None:
+    """(B transposed, A's row stride, B's outer stride) where ``_matmul_tma_kernel`` runs, else None
+    (``_matmul_kernel`` does). It runs a large (autotuned, ``tile`` None) 16-bit matmul on a Hopper GPU,
+    and under the interpreter any matmul, so that the CPU tests check its indexing too; and only where it
+    measured faster on an H100 (``TMA_TILES``): A read by rows, the epilogue none or accumulate, no row
+    sums. TMA must also be able to read A and B in place: one stride of each is 1, the other a multiple
+    of 16 bytes, and each starts on 16 bytes.
+
+    What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
+    bias gradient's row sums), where the TMA kernel ran 3-27 % slower, and the GELU epilogues, where the
+    pointer kernel's autotuner picks tiles small enough for two programs an SM, so that one's epilogue
+    overlaps the other's K loop, which one persistent program an SM cannot do."""
+    if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE):
+        return None
+    if not (interpreter_is_on() or (tile is None and _has_tma(a.get_device()))):
+        return None
+    a_layout, b_layout = _box_layout(a), _box_layout(b)
+    if a_layout is None or a_layout[0] or b_layout is None:
+        return None
+    return b_layout[0], a_layout[1], b_layout[1]
+
+
+def _box_layout(operand: torch.Tensor) -> tuple[bool, int] | None:
+    """(transposed, outer stride) of a 2-D operand a TMA descriptor can read in place, or None."""
+    outer, inner = operand.stride()
+    transposed, stride = (False, outer) if inner == 1 else (True, inner) if outer == 1 else (None, 0)
+    if transposed is None or stride * operand.element_size() % 16 or operand.data_ptr() % 16:
+        return None
+    return transposed, stride
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    """Hopper (compute capability 9.x), where TMA_TILES were measured."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors ``_matmul_tma_kernel`` builds (128 bytes a program), from
+    PyTorch's caching allocator on the current device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 _tuned_tiles: dict[tuple, MatmulTile] = {}
@@ -335,32 +450,53 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         if row_sums is not None:
             row_sums.zero_()  # an empty sum
         return out
-    args = (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(), *b.stride(), out.stride(0))
     tile = _tile_choice(a.dtype, M * N * K)
+    tma = _tma_operands(a, b, tile, epilogue, row_sums)
+    if tma is None:
+        kernel, autotuned = _matmul_kernel, _matmul_autotuned
+        args = (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(), *b.stride(), out.stride(0))
+    else:
+        kernel, autotuned = _matmul_tma_kernel, _matmul_tma_autotuned
+        args = (a, b, out, bias, M, N, K, tma[1], tma[2], out.stride(0))
+        # The descriptors' memory comes from this allocator, which Triton keeps per thread (a context
+        # variable): autograd runs backward matmuls on a thread of its own, so each launch sets it.
+        triton.set_allocator(_descriptor_scratch)
+    b_transposed = None if tma is None else tma[0]
     if tile is None:
         # The autotuner's own key: what it times candidates for, and what makes its choice differ.
-        key = (M, N, K, *a.stride(), *b.stride(), epilogue, a.dtype, out.dtype, bias is not None,
+        key = (M, N, K, *a.stride(), *b.stride(), b_transposed, epilogue, a.dtype, out.dtype, bias is not None,
                pre_activation is not None, row_sums is not None)
         tile = _tuned_tiles.get(key)
         if tile is None:
             with on_device(a):
-                launch(_matmul_autotuned, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),), *args,
-                       **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None))
-            _tuned_tiles[key] = _tile_of(_matmul_autotuned.best_config)
+                launch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None), *args,
+                       **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None, b_transposed))
+            _tuned_tiles[key] = _tile_of(autotuned.best_config)
             return out
     with on_device(a):
-        launch(_matmul_kernel, (cdiv(M, tile.block_m) * cdiv(N, tile.block_n),), *args,
-               **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, tile))
+        launch(kernel, _grid(a, M, N, tile.block_m, tile.block_n, tma is not None), *args,
+               **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, tile, b_transposed))
     return out
+
+
+def _grid(a: torch.Tensor, M: int, N: int, block_m: int, block_n: int, persistent: bool) -> tuple[int]:
+    """A program per tile of C, or (the persistent TMA kernel) one per SM, never more than the tiles."""
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    return (persistent_program_count(a, tiles, 1) if persistent else tiles,)
 
 
 @functools.cache
 def _matmul_constants(epilogue: str, has_bias: bool, row_sums: bool, dtype: torch.dtype,
-                      tile: MatmulTile | None) -> dict:
+                      tile: MatmulTile | None, b_transposed: bool | None) -> dict:
     """The constexprs and launch options of one matmul configuration, built once (``launch`` does not
-    modify them). Without a tile the autotuner adds the tile's own."""
-    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, ROW_SUMS=row_sums, GROUP_M=GROUP_M,
-                     COMPUTE=compute_dtype(dtype), DOT_PRECISION=dot_input_precision(dtype))
+    modify them). Without a tile the autotuner adds the tile's own. ``b_transposed`` is the TMA kernel's,
+    None for the pointer kernel (which has ROW_SUMS instead)."""
+    constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, GROUP_M=GROUP_M, COMPUTE=compute_dtype(dtype),
+                     DOT_PRECISION=dot_input_precision(dtype))
+    if b_transposed is None:
+        constants.update(ROW_SUMS=row_sums)
+    else:
+        constants.update(B_TRANSPOSED=b_transposed)
     if tile is not None:
         constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                          num_warps=tile.num_warps, num_stages=tile.num_stages)
