@@ -59,8 +59,10 @@ profiling/results/h100/tma-matmul.md)
 
 Limits
     Any M, N, K (the edge tiles wrap their loads and mask their stores, or the TMA boxes read zeros past
-    the edges); the output, the bias and H are contiguous. float16, bfloat16, float32, float64 on the GPU, accumulating in float32 (float64
-    for float64); float32 and float64 under the CPU interpreter. Autotuning compiles and times the
+    the edges); the output, the bias and H are contiguous. float16, bfloat16, float32, float64 on the
+    GPU, accumulating in float32 (float64 for float64); float32 and float64 under the CPU interpreter.
+    The TMA kernel needs each operand to start on 16 bytes, with its outer stride a multiple of 16 bytes;
+    other operands take the pointer kernel. Autotuning compiles and times the
     candidates at each new (M, N, K) of a large matmul: the first call at a shape costs seconds, and
     must not happen inside a CUDA-graph capture.
 
@@ -334,6 +336,7 @@ def _matmul_tma_kernel(A, B, C, Bias, M, N, K, stride_a, stride_b, stride_cm, B_
             else:
                 b = b_boxes.load([depth, first_col])
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+        # No GELU and no row sums here (_tma_operands): C stands in for their pointers, never read.
         _finish_tile(acc, acc, tile_row, tile_col, C, Bias, C, C, M, N, stride_cm, EPILOGUE, HAS_BIAS, False, BLOCK_M,
                      BLOCK_N, COMPUTE)
 
