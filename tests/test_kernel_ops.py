@@ -207,8 +207,8 @@ def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, 
 
 def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
     """What the TMA kernel was slower at on an H100 goes to the pointer kernel wherever it runs: A read
-    transposed (a weight gradient), row sums, the GELU epilogues; and what TMA cannot read in place
-    (an outer stride that is not a multiple of 16 bytes) too."""
+    transposed (a weight gradient), row sums, the GELU epilogues; and so does what TMA cannot read in place
+    (an outer stride that is not a multiple of 16 bytes), and an empty K."""
     matmul = importlib.import_module("triton_kernels.matmul")
     device = "cpu" if matmul.interpreter_is_on() else "cuda"
     a, b = torch.randn(64, 32, device=device), torch.randn(32, 48, device=device)
@@ -218,6 +218,8 @@ def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
     for epilogue in ("gelu", "gelu_saving_pre_activation", "gelu_backward"):
         assert matmul._tma_operands(a, b, None, epilogue, None) is None
     assert matmul._tma_operands(torch.randn(64, 33, device=device)[:, :32], b, None, "none", None) is None
+    assert matmul._tma_operands(torch.randn(64, 0, device=device), torch.randn(0, 48, device=device), None, "none",
+                                None) is None  # an empty K: a descriptor has no zero-sized dim
 
 
 def test_the_level_4_matmul_refuses_row_sums_it_has_no_programs_for():

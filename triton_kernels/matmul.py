@@ -281,9 +281,9 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
     if ROW_SUMS:
         # Σ_k A[m, k] as a product too: A·ones(BLOCK_K, 16) is one more small MMA on the A tile already
         # in shared memory, 16 columns beside the tile's BLOCK_N (a sixteenth more tensor-core work at 256
-        # columns, a quarter at 64), where a tl.sum would first copy the tile into registers. Every program runs it, and the programs of
-        # tile-column 0 store it: a branch on that inside the loop kept the loop from being pipelined
-        # (the measured cost: profiling/results/h100/bias-gradients.md).
+        # columns, a quarter at 64), where a tl.sum would first copy the tile into registers. Every program
+        # runs it, and the programs of tile-column 0 store it: a branch on that inside the loop kept the
+        # loop from being pipelined (the measured cost: profiling/results/h100/bias-gradients.md).
         row_sums = tl.zeros((BLOCK_M, 16), COMPUTE)
         ones = tl.full((BLOCK_K, 16), 1.0, A.dtype.element_ty)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
@@ -373,27 +373,36 @@ def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
     return SMALL_MATMUL_TILE if multiply_adds < SMALL_MATMUL else None
 
 
+class _TmaOperands(NamedTuple):
+    """How ``_matmul_tma_kernel`` reads its operands: B stored transposed or not, and each one's outer
+    stride (A is always read by rows)."""
+
+    b_transposed: bool
+    stride_a: int
+    stride_b: int
+
+
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epilogue: str,
-                  row_sums: torch.Tensor | None) -> tuple[bool, int, int] | None:
-    """(B transposed, A's row stride, B's outer stride) where ``_matmul_tma_kernel`` runs, else None
-    (``_matmul_kernel`` does). It runs a large (autotuned, ``tile`` None) 16-bit matmul on a Hopper GPU,
-    and under the interpreter any matmul, so that the CPU tests check its indexing too; and only where it
+                  row_sums: torch.Tensor | None) -> _TmaOperands | None:
+    """How ``_matmul_tma_kernel`` reads A and B where it runs, else None (``_matmul_kernel`` does). It
+    runs a large (autotuned, ``tile`` None) 16-bit matmul on a Hopper GPU, and under the interpreter any
+    matmul, so that the CPU tests check its indexing too; and only where it
     measured faster on an H100 (``TMA_TILES``): A read by rows, the epilogue none or accumulate, no row
     sums. TMA must also be able to read A and B in place: one stride of each is 1, the other a multiple
-    of 16 bytes, and each starts on 16 bytes.
+    of 16 bytes, and each starts on 16 bytes; and K is not empty (a descriptor has no zero-sized dim).
 
     What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
     bias gradient's row sums), where the TMA kernel ran 3-27 % slower, and the GELU epilogues, where the
     pointer kernel's autotuner picks tiles small enough for two programs an SM, so that one's epilogue
     overlaps the other's K loop, which one persistent program an SM cannot do."""
-    if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE):
+    if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE) or a.shape[1] == 0:
         return None
     if not (interpreter_is_on() or (tile is None and _has_tma(a.get_device()))):
         return None
     a_layout, b_layout = _box_layout(a), _box_layout(b)
     if a_layout is None or a_layout[0] or b_layout is None:
         return None
-    return b_layout[0], a_layout[1], b_layout[1]
+    return _TmaOperands(b_layout[0], a_layout[1], b_layout[1])
 
 
 def _box_layout(operand: torch.Tensor) -> tuple[bool, int] | None:
@@ -460,20 +469,21 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         args = (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(), *b.stride(), out.stride(0))
     else:
         kernel, autotuned = _matmul_tma_kernel, _matmul_tma_autotuned
-        args = (a, b, out, bias, M, N, K, tma[1], tma[2], out.stride(0))
+        args = (a, b, out, bias, M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
         # The descriptors' memory comes from this allocator, which Triton keeps per thread (a context
         # variable): autograd runs backward matmuls on a thread of its own, so each launch sets it.
         triton.set_allocator(_descriptor_scratch)
-    b_transposed = None if tma is None else tma[0]
+    b_transposed = None if tma is None else tma.b_transposed
     if tile is None:
         # The autotuner's own key: what it times candidates for, and what makes its choice differ.
         key = (M, N, K, *a.stride(), *b.stride(), b_transposed, epilogue, a.dtype, out.dtype, bias is not None,
                pre_activation is not None, row_sums is not None)
         tile = _tuned_tiles.get(key)
         if tile is None:
+            constants = _matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None, b_transposed)
             with on_device(a):
                 launch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None), *args,
-                       **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None, b_transposed))
+                       **constants)
             _tuned_tiles[key] = _tile_of(autotuned.best_config)
             return out
     with on_device(a):
