@@ -397,7 +397,7 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
     overlaps the other's K loop, which one persistent program an SM cannot do."""
     if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE) or a.shape[1] == 0:
         return None
-    if not (interpreter_is_on() or (tile is None and _has_tma(a.get_device()))):
+    if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device()))):
         return None
     a_layout, b_layout = _box_layout(a), _box_layout(b)
     if a_layout is None or a_layout[0] or b_layout is None:
