@@ -386,10 +386,10 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
                   row_sums: torch.Tensor | None) -> _TmaOperands | None:
     """How ``_matmul_tma_kernel`` reads A and B where it runs, else None (``_matmul_kernel`` does). It
     runs a large (autotuned, ``tile`` None) 16-bit matmul on a Hopper GPU, and under the interpreter any
-    matmul, so that the CPU tests check its indexing too; and only where it
-    measured faster on an H100 (``TMA_TILES``): A read by rows, the epilogue none or accumulate, no row
-    sums. TMA must also be able to read A and B in place: one stride of each is 1, the other a multiple
-    of 16 bytes, and each starts on 16 bytes; and K is not empty (a descriptor has no zero-sized dim).
+    matmul, so that the CPU tests check its indexing too; and only where it measured faster on an H100
+    (``TMA_TILES``): A read by rows, the epilogue none or accumulate, no row sums. TMA must also be able
+    to read A and B in place: one stride of each is 1, the other a multiple of 16 bytes, and each starts
+    on 16 bytes; and K is not empty (a descriptor has no zero-sized dim).
 
     What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
     bias gradient's row sums), where the TMA kernel ran 3-27 % slower, and the GELU epilogues, where the
