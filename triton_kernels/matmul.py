@@ -341,24 +341,21 @@ def _matmul_tma_kernel(A, B, C, Bias, M, N, K, stride_a, stride_b, stride_cm, B_
                      BLOCK_N, COMPUTE)
 
 
-_matmul_autotuned = triton.autotune(
-    configs=[triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
-                           num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in TENSOR_CORE_TILES],
-    # Tensor arguments' dtypes join the key by themselves; the strides tell transposed layouts apart.
-    key=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "EPILOGUE", "HAS_BIAS", "ROW_SUMS"],
-    prune_configs_by={"early_config_prune": _tiles_worth_timing},
-    # ACCUMULATE reads C: every timing run would add A·B into it once more, so C is put back after timing.
-    restore_value=["C"],
-)(_matmul_kernel)
+def _autotuned(kernel, tiles: list[MatmulTile], key: list[str]):
+    """``kernel`` autotuned over ``tiles`` (each a triton.Config of its BLOCK_* sizes, warps and stages),
+    timing only those ``_tiles_worth_timing`` keeps, per value of the arguments named in ``key``.
+    ACCUMULATE reads C: every timing run would add A·B into it once more, so C is put back after timing."""
+    configs = [triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
+                             num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in tiles]
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _tiles_worth_timing},
+                           restore_value=["C"])(kernel)
 
 
-_matmul_tma_autotuned = triton.autotune(
-    configs=[triton.Config(dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k),
-                           num_warps=tile.num_warps, num_stages=tile.num_stages) for tile in TMA_TILES],
-    key=["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"],
-    prune_configs_by={"early_config_prune": _tiles_worth_timing},
-    restore_value=["C"],
-)(_matmul_tma_kernel)
+# Tensor arguments' dtypes join the keys by themselves; the strides tell transposed layouts apart.
+_matmul_autotuned = _autotuned(_matmul_kernel, TENSOR_CORE_TILES, ["M", "N", "K", "stride_am", "stride_ak", "stride_bk",
+                                                                 "stride_bn", "EPILOGUE", "HAS_BIAS", "ROW_SUMS"])
+_matmul_tma_autotuned = _autotuned(_matmul_tma_kernel, TMA_TILES,
+                                   ["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"])
 
 
 def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
