@@ -92,15 +92,17 @@ STRATEGY_CASES = {
 
 # On a GPU the forwards read every row too long for one program once, across a cooperative grid
 # (launch.row_strategy's "cooperative"); the backward keeps the split. Cases: a few rows, one slice
-# short; more rows than the grid holds at once, so that every program walks several; bfloat16; and two
+# short; more rows than the grid holds at once, so that every program walks several; bfloat16; two
 # that take the split's two phases: rows of more slices than the GPU holds programs, and rows so long
-# that fewer than launch.COOPERATIVE_MIN_ROWS_AT_ONCE fit at once.
+# that fewer than launch.COOPERATIVE_MIN_ROWS_AT_ONCE fit at once; and enough rows short enough for
+# one an SM to stay in L2, which the norms loop over instead (launch.L2_LOOPED_TILE) and softmax does not.
 COOPERATIVE_CASES = {
     "few-rows": ((3, 40000), torch.float32, "cooperative"),
-    "many-rows": ((300, 40000), torch.float32, "cooperative"),
+    "many-rows": ((300, 100000), torch.float32, "cooperative"),
     "bfloat16": ((5, 70000), torch.bfloat16, "cooperative"),
     "beyond-the-grid": ((2, 9_000_000), torch.float32, "split"),
     "lockstep": ((16, 2_097_152), torch.float32, "split"),
+    "rows-in-l2": ((200, 40000), torch.float32, "looped"),
 }
 
 
@@ -120,9 +122,12 @@ def test_cooperative_forward_matches_float64_reference(component, case, monkeypa
     shape, dtype, forward_path = COOPERATIVE_CASES[case]
     if forward_path == "split":
         kernels = SOFTMAX_SPLIT_FORWARD_KERNELS if component == "softmax" else NORM_SPLIT_FORWARD_KERNELS
+    elif forward_path == "looped" and component != "softmax":  # softmax does not loop from L2 (loop_in_l2)
+        kernels = {"layer_norm_fwd_looped_kernel"}
     else:
         kernels = {"_softmax_fwd_cooperative_kernel" if component == "softmax" else "_norm_fwd_cooperative_kernel"}
-    _check_row_strategy(component, "cuda", "cooperative", {}, shape, dtype, kernels, monkeypatch)
+    strategy = "looped" if forward_path == "looped" and component != "softmax" else "cooperative"
+    _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)
 
 
 def test_the_interpreter_never_runs_a_cooperative_grid():
@@ -130,6 +135,42 @@ def test_the_interpreter_never_runs_a_cooperative_grid():
     launch_module = importlib.import_module("triton_kernels.launch")
     assert launch_module.row_strategy(1, 40000, torch.empty(0), one_array=True, cooperative=True) == "split"
     assert launch_module.row_strategy(600, 40000, torch.empty(0), cooperative=True) == "looped"
+
+
+class _GpuTensorStandIn:
+    """What row_strategy asks of a CUDA tensor, for a CPU-only machine: where it lives, its element size."""
+
+    is_cuda = True
+
+    def __init__(self, element_size: int):
+        self._element_size = element_size
+
+    def get_device(self) -> int:
+        return 0
+
+    def element_size(self) -> int:
+        return self._element_size
+
+
+@pytest.mark.parametrize("rows,n,element_size,loop_in_l2,strategy", [
+    (2048, 32768, 4, True, "looped"),  # 132 rows of 128 KB in flight: 17 MB, within half of L2
+    (2048, 65536, 2, True, "looped"),  # the same bytes in bfloat16
+    (2048, 65536, 4, True, "cooperative"),  # 34 MB: more than half of L2
+    (512, 131072, 4, True, "cooperative"),
+    (100, 32768, 4, True, "cooperative"),  # fewer rows than SMs: looped, they would leave SMs idle
+    (2048, 16384, 4, True, "row"),  # fits one program's registers: neither
+    (2048, 32768, 4, False, "cooperative"),  # a forward that does not ask (softmax)
+])
+def test_a_gpu_loops_over_the_rows_whose_second_read_l2_holds(rows, n, element_size, loop_in_l2, strategy,
+                                                               monkeypatch):
+    """launch.row_strategy on an H100-like GPU (132 SMs, 50 MB of L2), for a forward with a cooperative
+    version: rows longer than one program's registers are looped only when the forward asks, one row an
+    SM fits in half of L2 and every SM gets one; else they cross DRAM once on the cooperative grid."""
+    launch_module = importlib.import_module("triton_kernels.launch")
+    monkeypatch.setattr(launch_module, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(launch_module, "_l2_cache_bytes", lambda device: 50 * 2**20)
+    assert launch_module.row_strategy(rows, n, _GpuTensorStandIn(element_size), cooperative=True,
+                                      loop_in_l2=loop_in_l2) == strategy
 
 
 def _recording(launcher, launched: set):

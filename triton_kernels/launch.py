@@ -136,6 +136,11 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _l2_cache_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
 def persistent_program_count(tensor: torch.Tensor, work_items: int, programs_per_multiprocessor: int) -> int:
     """How many programs a persistent kernel (one that loops over its share of the work) launches:
     enough to fill every streaming multiprocessor (SM) ``programs_per_multiprocessor`` times, never more
@@ -281,6 +286,15 @@ def row_tile(n: int, one_array: bool = False) -> RowTile:
     return RowTile(block_n, rows_per_tile, max(4, min(32, tile // 1024)), False)
 
 
+L2_LOOPED_TILE = RowTile(16384, 1, 32, True)
+"""The norms' looped forward's tile on a GPU (``row_strategy``'s ``loop_in_l2``). A looped row crosses DRAM
+once only if its second pass finds it still in L2, so the tile is chosen for how many rows are in flight,
+not for one program's speed: 32 warps of 16 values a thread fill an SM's register file, so each SM runs
+one program, one row, at a time: 132 rows on an H100, 17 MB at 32,768 float32 values a row, which its
+50 MB L2 holds. The 8-warp ``row_tile`` runs several programs an SM, their rows overflow L2, and the
+second pass reads DRAM again: two reads, about 2/3 of copy bandwidth
+(profiling/results/h100/looped-rows-in-l2.md)."""
+
 SPLIT_MIN_ROW = 32768
 """Rows at least this long may be split across programs (``row_strategy``): below it a row is cheap
 enough for one program, and its split would be slices too small to pay for the second phase."""
@@ -335,7 +349,17 @@ def arrive_and_wait(Arrivals, expected):
         arrived = tl.atomic_add(Arrivals, 0, sem="acquire", scope="gpu")
 
 
-def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = False, cooperative: bool = False) -> str:
+def _a_row_an_sm_stays_in_l2(rows: int, n: int, tensor: torch.Tensor) -> bool:
+    """Whether ``L2_LOOPED_TILE``'s programs, one row an SM, find their rows in L2 on the second pass: every SM
+    gets a row, and the rows in flight fill at most half of L2 (the other half takes y and other programs'
+    lines)."""
+    device = tensor.get_device()
+    multiprocessors = _multiprocessor_count(device)
+    return rows >= multiprocessors and 2 * multiprocessors * n * tensor.element_size() <= _l2_cache_bytes(device)
+
+
+def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = False, cooperative: bool = False,
+                 loop_in_l2: bool = False) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 
     ``"tiled"``     short rows (``row_tile``'s block below ``MIN_TILE``): several rows a program, so each
@@ -353,14 +377,17 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = Fals
                     which wait for their row's partial statistics instead of re-reading the row. The row
                     crosses DRAM once, where "looped" and "split" read it twice (at most 2/3 of copy
                     bandwidth). The interpreter never gets it: it runs programs one at a time, so one that
-                    waits for another would wait forever.
+                    waits for another would wait forever. Except, for a forward that asks ``loop_in_l2``
+                    (the norms'), rows short enough that one an SM fits in half of L2, when there are
+                    enough to fill every SM: those are "looped" with ``L2_LOOPED_TILE``, whose second
+                    read comes from L2. (Softmax's online loop, exps in both passes, did not win there.)
 
     The thresholds are module constants read at each call, so a test can lower them (and clear
     ``row_tile``'s cache) to run every strategy at sizes the interpreter takes in seconds. The
     interpreter counts as one SM."""
     # The row length first: the usual short row never asks for the SM count.
     if cooperative and COOPERATIVE_ROWS and tensor.is_cuda and row_tile(n, one_array).looped:
-        return "cooperative"
+        return "looped" if loop_in_l2 and _a_row_an_sm_stays_in_l2(rows, n, tensor) else "cooperative"
     if n >= SPLIT_MIN_ROW and rows < SPLIT_MAX_ROWS_PER_SM * (
             _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 1):
         return "split"

@@ -15,10 +15,11 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
 ``layer_norm_backward.py``; rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
-    ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK under the interpreter (on a GPU the
-                                        split file's cooperative grid reads them once): pass 1 merges
-                                        per-block statistics (Chan's formula), pass 2 normalises; the row
-                                        is read twice
+    ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
+                                        (Chan's formula), pass 2 normalises; the row is read twice, the
+                                        second time from L2 on a GPU (one row an SM, ``launch.L2_LOOPED_TILE``),
+                                        which runs it only for rows that fit there; longer ones cross DRAM
+                                        once on the split file's cooperative grid
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
                                         longer than MAX_ROW_BLOCK take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
@@ -33,6 +34,7 @@ The one idea that makes it fast
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
     least 4096 elements, several rows a program; a row a program, in registers; on a GPU, longer rows
+    looped over one an SM while that many fit in half of L2 (``launch.L2_LOOPED_TILE``), longer still
     split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
     program, looped over; or, for a few long rows, each row split across programs in two phases.
     ``launch.row_tile``: the row rounded up to a power of two is one block; one warp per 1024
@@ -45,8 +47,8 @@ Measured (H100, 8192 × 8192, kernels alone)
     over its three tensors, plus 10 µs for the dw, db column reduction.
 
 Limits
-    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are split across a cooperative grid forward on a
-    GPU, or looped over, or split in two phases when they are too few to fill the SMs; never rejected.
+    Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, or split across a cooperative
+    grid forward on a GPU, or split in two phases when they are too few to fill the SMs; never rejected.
     Backward they are always split in two phases. The backward's
     partial buffers have at most min(rows, a few × SMs) rows of N float32 values. float16, bfloat16,
     float32, float64 on the GPU (statistics and sums in float32, float64 for float64); float32 and
@@ -63,6 +65,7 @@ import triton.language as tl
 
 from .eager import EagerFunction
 from .launch import (
+    L2_LOOPED_TILE,
     accumulator_dtype,
     cdiv,
     check_contiguous,
@@ -182,12 +185,14 @@ def normalize_row_blocks(X, Y, W, B, N, mean, rstd, BLOCK_N: tl.constexpr, COMPU
     cols = tl.arange(0, BLOCK_N)
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
-        x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
+        # The row's last read, and y is not read back here: evict_first and streaming stores (.cs) ask L2
+        # to give their lines up before those of rows other programs have yet to read a second time.
+        x = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
         w = tl.load(W + start + cols, mask=mask).to(COMPUTE)
         y = (x - mean) * rstd * w
         if HAS_BIAS:
             y += tl.load(B + start + cols, mask=mask).to(COMPUTE)
-        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -211,11 +216,11 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
     if rows == 0:
         return out, mean, rstd
-    strategy = row_strategy(rows, n, x, cooperative=True)
+    strategy = row_strategy(rows, n, x, cooperative=True, loop_in_l2=True)
     if strategy in ("split", "cooperative"):  # long rows on a GPU, or a few long rows: each split across programs
         launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=strategy == "cooperative")
         return out, mean, rstd
-    tile = row_tile(n)
+    tile = L2_LOOPED_TILE if strategy == "looped" and x.is_cuda else row_tile(n)
     # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
     mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
     bias_in = bias if subtract_mean else weight
