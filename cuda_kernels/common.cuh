@@ -284,14 +284,33 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Copies a slice of n_packs 16-byte packs from global into shared memory and waits for it. Each thread
-// copies (and its caller later reads) only its own packs t, t + blockDim.x, ..., so its own wait is all
-// the ordering it needs: no barrier. Nothing is held in registers while the copies fly.
+// An L2 cache policy for data read from global memory exactly once: its lines go first when L2 needs
+// room. A row staged in shared memory is such data; without the hint its lines push out what other
+// blocks read again. LayerNorm's weight and bias are as long as a row and read once per row: at rows of
+// 2^21 float32 values they are 16 MB, the rows in flight stream several times that through L2 between
+// two reads of the same weights, and with every line at the same priority the weights come back from
+// DRAM: three tensors read where one was meant (y is already written evict-first: store_pack_once).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// copy_async_16 for a source read once (evict_first_policy), always valid.
+__device__ __forceinline__ void copy_async_16_once(void* shared, const void* global, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "l"(policy));
+}
+
+// Copies a slice of n_packs 16-byte packs, read once, from global into shared memory and waits for it.
+// Each thread copies (and its caller later reads) only its own packs t, t + blockDim.x, ..., so its own
+// wait is all the ordering it needs: no barrier. Nothing is held in registers while the copies fly.
 template <typename T>
 __device__ __forceinline__ void stage_slice(const T* global_slice, T* staged, int n_packs) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const uint64_t policy = evict_first_policy();
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    copy_async_16(staged + pack * kVec, global_slice + pack * kVec, true);
+    copy_async_16_once(staged + pack * kVec, global_slice + pack * kVec, policy);
   }
   copy_async_commit();
   copy_async_wait<0>();
