@@ -121,7 +121,9 @@ def _write_normalized_slice(x, Y, W, B, Mean, Rstd, row, piece, cols, mask, offs
     y = (x - mean) * rstd * tl.load(W + cols, mask=mask).to(COMPUTE)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask).to(COMPUTE)
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    # Streaming (.cs): y is not read again here, and its lines would otherwise push out of L2 the weight
+    # (and bias), which every row's slice at these columns reads again.
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
