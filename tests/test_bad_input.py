@@ -114,6 +114,46 @@ def test_non_contiguous_input_gets_the_right_answer(level, device, component, co
     assert_matches_float64_reference(module, reference, [x], TOLERANCE[torch.float32])
 
 
+# --- AdamW's step: four lists that must line up, updated in place ------------------------------------
+
+
+def _misaligned_adamw_lists(case: str, device: str):
+    """(params, grads, exp_avgs, exp_avg_sqs) of two tensors each, spoiled as ``case`` says."""
+    params = [torch.randn(5, 3, device=device), torch.randn(7, device=device)]
+    grads = [torch.randn_like(param) for param in params]
+    exp_avgs, exp_avg_sqs = [torch.randn_like(param) for param in params], [torch.rand_like(param) for param in params]
+    if case == "lengths":
+        grads = grads[:1]
+    elif case == "dtype":
+        exp_avgs[1] = exp_avgs[1].double()
+    elif case == "shape":  # as many values as the parameter, in another shape
+        grads[0] = grads[0].reshape(3, 5)
+    elif case == "non-contiguous":  # the step writes in place: no copy can stand in for it
+        exp_avg_sqs[0] = torch.rand(3, 5, device=device).t()
+    elif case == "device":  # on a GPU machine, a CPU tensor among CUDA ones; on a CPU-only one, a meta tensor
+        grads[1] = grads[1].to("meta" if device == "cpu" else "cpu")
+    return params, grads, exp_avgs, exp_avg_sqs
+
+
+@pytest.mark.parametrize("case,error,message", [
+    ("lengths", {"triton": ValueError, "cuda": ValueError}, r"must be lists of equal length"),
+    ("dtype", {"triton": TypeError, "cuda": TypeError}, r"exp_avgs\[1\] (is torch.float64|has dtype Double)"),
+    ("shape", {"triton": ValueError, "cuda": ValueError}, r"grads\[0\] has shape .3, 5. but params\[0\]"),
+    # level 4's contiguity check is the one its every launcher runs (torch._check: RuntimeError)
+    ("non-contiguous", {"triton": RuntimeError, "cuda": ValueError}, r"contiguous"),
+    # level 4 says where its kernels can run (LevelUnavailableError, a RuntimeError)
+    ("device", {"triton": RuntimeError, "cuda": ValueError}, r"on (meta|cpu)"),
+])
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_adamw_step_rejects_lists_that_do_not_line_up_and_updates_nothing(level, device, case, error, message):
+    params, grads, exp_avgs, exp_avg_sqs = _misaligned_adamw_lists(case, device)
+    before = [tensor.clone() for tensor in (*params, *exp_avgs, *exp_avg_sqs)]
+    backend = triton_backend() if level == "triton" else cuda_backend()
+    with torch.no_grad(), pytest.raises(error[level], match=message):
+        backend.adamw_step(params, grads, exp_avgs, exp_avg_sqs, 1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
+    assert all(torch.equal(after, was) for after, was in zip((*params, *exp_avgs, *exp_avg_sqs), before))
+
+
 # --- attention ---------------------------------------------------------------------------------------
 
 def attention_inputs(q_shape, kv_shape=None, dtype=torch.float32, device="cpu"):
