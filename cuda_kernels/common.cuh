@@ -290,6 +290,7 @@ __device__ __forceinline__ void copy_async_wait() {
 // 2^21 float32 values they are 16 MB, the rows in flight stream several times that through L2 between
 // two reads of the same weights, and with every line at the same priority the weights come back from
 // DRAM: three tensors read where one was meant (y is already written evict-first: store_pack_once).
+// Measured: profiling/results/h100/evict-first-staging.md.
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

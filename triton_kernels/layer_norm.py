@@ -17,9 +17,9 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
                                         two reductions, write once
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula), pass 2 normalises; the row is read twice, the
-                                        second time from L2 on a GPU (one row an SM, ``launch.L2_LOOPED_TILE``),
-                                        which runs it only for rows that fit there; longer ones cross DRAM
-                                        once on the split file's cooperative grid
+                                        second time from L2 on a GPU (one row an SM in flight:
+                                        ``launch.L2_LOOPED_TILE``), which runs it only for rows that fit
+                                        there; longer ones cross DRAM once on the split file's cooperative grid
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
                                         longer than MAX_ROW_BLOCK take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db

@@ -21,7 +21,8 @@ Read once: the cooperative forward (a GPU only)
     On an H100 it took LayerNorm over float32 rows of 32,768 and 131,072 from 65 and 64 % of copy
     bandwidth to 81 and 76 % (profiling/results/h100/sweep.csv): short of a row held in one program
     (99 %), because a program that waits loads nothing. Rows as short as 32,768 now loop instead, one
-    an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``): 91 %.
+    an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
+    profiling/results/h100/looped-rows-in-l2.md).
 
 What it computes (the formulas of ``layer_norm.py``; RMSNorm with ``SUBTRACT_MEAN=HAS_BIAS=False``)
     forward  phase 1  each slice's mean and sum of squared deviations (m2) (RMSNorm: its Σx²), into
@@ -122,7 +123,8 @@ def _write_normalized_slice(x, Y, W, B, Mean, Rstd, row, piece, cols, mask, offs
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask).to(COMPUTE)
     # Streaming (.cs): y is not read again here, and its lines would otherwise push out of L2 the weight
-    # (and bias), which every row's slice at these columns reads again.
+    # (and bias), which every row's slice at these columns reads again
+    # (profiling/results/h100/evict-first-staging.md).
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
