@@ -102,7 +102,7 @@ COOPERATIVE_CASES = {
     "bfloat16": ((5, 70000), torch.bfloat16, "cooperative"),
     "beyond-the-grid": ((2, 9_000_000), torch.float32, "split"),
     "lockstep": ((16, 2_097_152), torch.float32, "split"),
-    "rows-in-l2": ((200, 40000), torch.float32, "looped"),
+    "rows-in-l2": ((200, 40000), torch.float32, "looped_in_l2"),
 }
 
 
@@ -120,13 +120,15 @@ def test_every_row_strategy_matches_float64_reference(component, case, device, m
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
 def test_cooperative_forward_matches_float64_reference(component, case, monkeypatch):
     shape, dtype, forward_path = COOPERATIVE_CASES[case]
+    if component == "softmax" and forward_path == "looped_in_l2":  # softmax does not ask for loop_in_l2
+        forward_path = "cooperative"
+    strategy = "looped_in_l2" if forward_path == "looped_in_l2" else "cooperative"
     if forward_path == "split":
         kernels = SOFTMAX_SPLIT_FORWARD_KERNELS if component == "softmax" else NORM_SPLIT_FORWARD_KERNELS
-    elif forward_path == "looped" and component != "softmax":  # softmax does not loop from L2 (loop_in_l2)
+    elif forward_path == "looped_in_l2":
         kernels = {"layer_norm_fwd_looped_kernel"}
     else:
         kernels = {"_softmax_fwd_cooperative_kernel" if component == "softmax" else "_norm_fwd_cooperative_kernel"}
-    strategy = "looped" if forward_path == "looped" and component != "softmax" else "cooperative"
     _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)
 
 
@@ -153,8 +155,8 @@ class _GpuTensorStandIn:
 
 
 @pytest.mark.parametrize("rows,n,element_size,loop_in_l2,strategy", [
-    (2048, 32768, 4, True, "looped"),  # 132 rows of 128 KB in flight: 17 MB, within half of L2
-    (2048, 65536, 2, True, "looped"),  # the same bytes in bfloat16
+    (2048, 32768, 4, True, "looped_in_l2"),  # 132 rows of 128 KB in flight: 17 MB, within half of L2
+    (2048, 65536, 2, True, "looped_in_l2"),  # the same bytes in bfloat16
     (2048, 65536, 4, True, "cooperative"),  # 34 MB: more than half of L2
     (512, 131072, 4, True, "cooperative"),
     (100, 32768, 4, True, "cooperative"),  # fewer rows than SMs: looped, they would leave SMs idle
@@ -203,8 +205,8 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
         config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
         module, reference = build_pair(component, "triton", config, device, dtype)
         inputs = make_inputs(module, shape, dtype, device)
-        assert launch_module.row_strategy(*shape, inputs[0], one_array=component == "softmax",
-                                          cooperative=True) == strategy
+        assert launch_module.row_strategy(*shape, inputs[0], one_array=component == "softmax", cooperative=True,
+                                          loop_in_l2=component != "softmax") == strategy
         assert_matches_float64_reference(module, reference, inputs, TOLERANCE[dtype])
         with torch.no_grad():  # inference: no statistics stored
             output, expected = module(*inputs), reference(*map(as_reference_input, inputs))

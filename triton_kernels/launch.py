@@ -287,7 +287,7 @@ def row_tile(n: int, one_array: bool = False) -> RowTile:
 
 
 L2_LOOPED_TILE = RowTile(16384, 1, 32, True)
-"""The norms' looped forward's tile on a GPU (``row_strategy``'s ``loop_in_l2``). A looped row crosses DRAM
+"""The norms' looped forward's tile on a GPU (``row_strategy``'s "looped_in_l2"). A looped row crosses DRAM
 once only if its second pass finds it still in L2, so the tile is chosen for how many rows are in flight,
 not for one program's speed: 32 warps of 16 values a thread fill an SM's register file, so each SM runs
 one program, one row, at a time: 132 rows on an H100, 17 MB at 32,768 float32 values a row, which its
@@ -377,17 +377,18 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = Fals
                     which wait for their row's partial statistics instead of re-reading the row. The row
                     crosses DRAM once, where "looped" and "split" read it twice (at most 2/3 of copy
                     bandwidth). The interpreter never gets it: it runs programs one at a time, so one that
-                    waits for another would wait forever. Except, for a forward that asks ``loop_in_l2``
-                    (the norms'), rows short enough that one an SM fits in half of L2, when there are
-                    enough to fill every SM: those are "looped" with ``L2_LOOPED_TILE``, whose second
-                    read comes from L2. (Softmax's online loop, exps in both passes, did not win there.)
+                    waits for another would wait forever.
+    ``"looped_in_l2"`` on a GPU, instead of "cooperative", for a forward that asks ``loop_in_l2`` (the
+                    norms'): rows short enough that one an SM fits in half of L2, enough of them to fill
+                    every SM. One row a program, looped over with ``L2_LOOPED_TILE``, whose second read
+                    comes from L2. (Softmax's online loop, exps in both passes, did not win there.)
 
     The thresholds are module constants read at each call, so a test can lower them (and clear
     ``row_tile``'s cache) to run every strategy at sizes the interpreter takes in seconds. The
     interpreter counts as one SM."""
     # The row length first: the usual short row never asks for the SM count.
     if cooperative and COOPERATIVE_ROWS and tensor.is_cuda and row_tile(n, one_array).looped:
-        return "looped" if loop_in_l2 and _a_row_an_sm_stays_in_l2(rows, n, tensor) else "cooperative"
+        return "looped_in_l2" if loop_in_l2 and _a_row_an_sm_stays_in_l2(rows, n, tensor) else "cooperative"
     if n >= SPLIT_MIN_ROW and rows < SPLIT_MAX_ROWS_PER_SM * (
             _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 1):
         return "split"

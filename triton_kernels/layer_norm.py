@@ -220,7 +220,7 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if strategy in ("split", "cooperative"):  # long rows on a GPU, or a few long rows: each split across programs
         launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=strategy == "cooperative")
         return out, mean, rstd
-    tile = L2_LOOPED_TILE if strategy == "looped" and x.is_cuda else row_tile(n)
+    tile = L2_LOOPED_TILE if strategy == "looped_in_l2" else row_tile(n)
     # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
     mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
     bias_in = bias if subtract_mean else weight

@@ -405,8 +405,13 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
 def _box_layout(operand: torch.Tensor) -> tuple[bool, int] | None:
     """(transposed, outer stride) of a 2-D operand a TMA descriptor can read in place, or None."""
     outer, inner = operand.stride()
-    transposed, stride = (False, outer) if inner == 1 else (True, inner) if outer == 1 else (None, 0)
-    if transposed is None or stride * operand.element_size() % 16 or operand.data_ptr() % 16:
+    if inner == 1:
+        transposed, stride = False, outer
+    elif outer == 1:
+        transposed, stride = True, inner
+    else:
+        return None
+    if stride * operand.element_size() % 16 or operand.data_ptr() % 16:
         return None
     return transposed, stride
 
