@@ -91,11 +91,12 @@ STRATEGY_CASES = {
 
 
 # On a GPU the forwards read every row too long for one program once, across a cooperative grid
-# (launch.row_strategy's "cooperative"); the backward keeps the split. Cases: a few rows, one slice
-# short; more rows than the grid holds at once, so that every program walks several; bfloat16; two
-# that take the split's two phases: rows of more slices than the GPU holds programs, and rows so long
-# that fewer than launch.COOPERATIVE_MIN_ROWS_AT_ONCE fit at once; and enough rows short enough for
-# one an SM to stay in L2, which the norms loop over instead (launch.L2_LOOPED_TILE) and softmax does not.
+# (launch.row_strategy's "cooperative"), and so do the norms' float32 backwards (layer_norm_split.py).
+# Cases: a few rows, one slice short; more rows than the grid holds at once, so that every program walks
+# several; bfloat16 (its backward in two phases); two that take the split's two phases both ways: rows
+# of more slices than the GPU holds programs, and rows so long that fewer than
+# launch.COOPERATIVE_MIN_ROWS_AT_ONCE fit at once; and enough rows short enough for one an SM to stay in
+# L2, whose forward the norms loop over instead (launch.L2_LOOPED_TILE) and softmax does not.
 COOPERATIVE_CASES = {
     "few-rows": ((3, 40000), torch.float32, "cooperative"),
     "many-rows": ((300, 100000), torch.float32, "cooperative"),
@@ -118,17 +119,19 @@ def test_every_row_strategy_matches_float64_reference(component, case, device, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", COOPERATIVE_CASES)
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
-def test_cooperative_forward_matches_float64_reference(component, case, monkeypatch):
+def test_cooperative_grids_match_float64_reference(component, case, monkeypatch):
     shape, dtype, forward_path = COOPERATIVE_CASES[case]
     if component == "softmax" and forward_path == "looped_in_l2":  # softmax does not ask for loop_in_l2
         forward_path = "cooperative"
     strategy = "looped_in_l2" if forward_path == "looped_in_l2" else "cooperative"
-    if forward_path == "split":
-        kernels = SOFTMAX_SPLIT_FORWARD_KERNELS if component == "softmax" else NORM_SPLIT_FORWARD_KERNELS
-    elif forward_path == "looped_in_l2":
-        kernels = {"layer_norm_fwd_looped_kernel"}
+    if component == "softmax":
+        kernels = SOFTMAX_SPLIT_FORWARD_KERNELS if forward_path == "split" else {"_softmax_fwd_cooperative_kernel"}
+    elif forward_path == "split":
+        kernels = NORM_SPLIT_KERNELS
     else:
-        kernels = {"_softmax_fwd_cooperative_kernel" if component == "softmax" else "_norm_fwd_cooperative_kernel"}
+        forward = "layer_norm_fwd_looped_kernel" if forward_path == "looped_in_l2" else "_norm_fwd_cooperative_kernel"
+        backward = {"_norm_bwd_cooperative_kernel"} if dtype == torch.float32 else NORM_SPLIT_BACKWARD_KERNELS
+        kernels = {forward, "_layer_norm_bwd_dwdb_kernel", *backward}
     _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)
 
 

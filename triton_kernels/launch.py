@@ -506,18 +506,13 @@ def _cuda_driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bool:
-    """Launch ``kernel`` over ``rows`` rows of ``slices`` slices as one cooperative grid, whose programs
-    may wait on each other (``arrive_and_wait``): program p owns slice p % slices of rows p // slices,
-    then that plus the rows at once, and so on. A cooperative launch starts every program at once or
-    not at all: the driver refuses a grid larger than the GPU holds with an error, never a hang.
+def _cooperative_entry(kernel, args: tuple, constants: dict) -> tuple:
+    """(kernel, its CompiledKernel, programs the GPU holds at once, the launcher's constant tail) for a
+    cooperative launch of ``kernel`` with these arguments, compiled and asked once per key.
 
-    The grid holds as many whole rows at once as fit: the CUDA driver says how many programs an SM
-    holds, from the compiled kernel's registers, shared memory and warps
-    (``cuOccupancyMaxActiveBlocksPerMultiprocessor``, the arithmetic by which it would refuse), asked
-    once per compiled kernel and kept beside it. Returns False, launching nothing, when fewer than
-    ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit: the caller runs its two phases.
-    The row counters go among ``args`` as ``ROW_ARRIVALS``."""
+    The CUDA driver says how many programs an SM holds, from the compiled kernel's registers, shared
+    memory and warps (``cuOccupancyMaxActiveBlocksPerMultiprocessor``, the arithmetic by which it would
+    refuse a cooperative grid too large)."""
     constants["launch_cooperative_grid"] = True
     device = _current_cuda_device()
     # The key sees ROW_ARRIVALS, not a tensor; the kernel is compiled for a fresh allocation's counters,
@@ -535,10 +530,37 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
             raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {result}")
         entry = _cooperative_kernels[key] = (kernel, compiled, per_multiprocessor.value * _multiprocessor_count(device),
                                              _constant_tail(kernel, args, constants))
-    _, compiled, resident, tail = entry
+    return entry
+
+
+def cooperative_rows_at_once(kernel, rows: int, slices: int, *args, **constants) -> int:
+    """How many of ``rows`` rows of ``slices`` slices ``launch_cooperative`` would run at once with these
+    arguments: as many whole rows as the GPU holds programs for, or 0 when that is fewer than
+    ``COOPERATIVE_MIN_ROWS_AT_ONCE`` (or than all the rows), where it launches nothing. For a caller that
+    sizes a buffer by it (a row of partial sums per row at once); only the arguments' types and
+    alignments enter, so a stand-in of the same dtype may take the place of a buffer not yet allocated."""
+    return _rows_at_once(_cooperative_entry(kernel, args, constants)[2], rows, slices)
+
+
+def _rows_at_once(resident: int, rows: int, slices: int) -> int:
     rows_at_once = min(rows, resident // slices)
-    if rows_at_once < min(rows, COOPERATIVE_MIN_ROWS_AT_ONCE):
+    return rows_at_once if rows_at_once >= min(rows, COOPERATIVE_MIN_ROWS_AT_ONCE) else 0
+
+
+def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bool:
+    """Launch ``kernel`` over ``rows`` rows of ``slices`` slices as one cooperative grid, whose programs
+    may wait on each other (``arrive_and_wait``): program p owns slice p % slices of rows p // slices,
+    then that plus the rows at once, and so on. A cooperative launch starts every program at once or
+    not at all: the driver refuses a grid larger than the GPU holds with an error, never a hang.
+
+    The grid holds as many whole rows at once as fit (``cooperative_rows_at_once``). Returns False,
+    launching nothing, when fewer than ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit:
+    the caller runs its two phases. The row counters go among ``args`` as ``ROW_ARRIVALS``."""
+    _, compiled, resident, tail = _cooperative_entry(kernel, args, constants)
+    rows_at_once = _rows_at_once(resident, rows, slices)
+    if not rows_at_once:
         return False
+    device = _current_cuda_device()
     args = _with_row_arrivals(args, rows, device)
     if not DIRECT_LAUNCH or _hooked(kernel):
         kernel[(rows_at_once * slices,)](*args, **constants)

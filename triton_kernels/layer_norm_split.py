@@ -22,7 +22,9 @@ Read once: the cooperative forward (a GPU only)
     bandwidth to 81 and 76 % (profiling/results/h100/sweep.csv): short of a row held in one program
     (99 %), because a program that waits loads nothing. Rows as short as 32,768 now loop instead, one
     an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
-    profiling/results/h100/looped-rows-in-l2.md).
+    profiling/results/h100/looped-rows-in-l2.md). The float32 backward has a cooperative grid too
+    (``_norm_bwd_cooperative_kernel``): x and dy stay in registers while the row's Σx̂·g and Σg gather,
+    and each program keeps one column slice for good, so its dw, db stay in registers across its rows.
 
 What it computes (the formulas of ``layer_norm.py``; RMSNorm with ``SUBTRACT_MEAN=HAS_BIAS=False``)
     forward  phase 1  each slice's mean and sum of squared deviations (m2) (RMSNorm: its Σx²), into
@@ -38,7 +40,8 @@ What it computes (the formulas of ``layer_norm.py``; RMSNorm with ``SUBTRACT_MEA
 
 Cost
     In two phases x is read twice forward (phase 2 re-reads each slice, from L2 when the rows in flight
-    fit there), and x, dy twice backward, as in the looped kernels; the partial buffers are rows × slices values.
+    fit there), and x, dy twice backward, as in the looped kernels; the cooperative grids read them once.
+    The partial buffers are rows × slices values.
     Every phase-2 program reads all its row's partials from L2: at 2^24 elements a row, 4096 of them,
     as many bytes as its own float32 slice (larger slices for such rows would cut that).
 
@@ -60,6 +63,7 @@ from .launch import (
     arrive_and_wait,
     cdiv,
     compute_dtype,
+    cooperative_rows_at_once,
     launch,
     launch_cooperative,
     next_power_of_2,
@@ -208,13 +212,36 @@ def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooper
 
 
 @triton.jit
-def _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
+def _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                 EVICTION: tl.constexpr):
     """x̂ = (x − mean)·rstd of one slice of a row (0 in the padding), and the row's rstd."""
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
+    x = tl.load(X + offsets, mask=mask, other=0.0, eviction_policy=EVICTION).to(COMPUTE)
     rstd = tl.load(Rstd + row)
     if SUBTRACT_MEAN:
         x = tl.where(mask, x - tl.load(Mean + row), 0.0)
     return x * rstd, rstd
+
+
+@triton.jit
+def _store_slice_sums(x_hat, g, PartialXHatG, PartialG, row, piece, n_slices, SUBTRACT_MEAN: tl.constexpr):
+    """Phase 1 for one slice of ``row``: its Σx̂·g (and Σg) into the (rows, slices) buffers."""
+    slot = row.to(tl.int64) * n_slices + piece
+    tl.store(PartialXHatG + slot, tl.sum(x_hat * g, axis=0))
+    if SUBTRACT_MEAN:
+        tl.store(PartialG + slot, tl.sum(g, axis=0))
+
+
+@triton.jit
+def _combine_row_sums(PartialXHatG, PartialG, row, N, n_slices, BLOCK_SLICES: tl.constexpr, COMPUTE: tl.constexpr,
+                      SUBTRACT_MEAN: tl.constexpr):
+    """Phase 2's start: ``row``'s mean(x̂·g) and mean(g) (RMSNorm: 0) from its slices' partial sums, read
+    from L2 (``.cg``: in the cooperative kernel another SM wrote them a moment ago)."""
+    slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
+    mean_x_hat_g = tl.sum(tl.load(PartialXHatG + slots, mask=slice_mask, other=0.0, cache_modifier=".cg"), axis=0) / N
+    mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
+    if SUBTRACT_MEAN:
+        mean_g = tl.sum(tl.load(PartialG + slots, mask=slice_mask, other=0.0, cache_modifier=".cg"), axis=0) / N
+    return mean_x_hat_g, mean_g
 
 
 @triton.jit
@@ -223,13 +250,10 @@ def _norm_bwd_split_sums_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, N,
     row = tl.program_id(0)
     piece = tl.program_id(1)
     cols, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
-    x_hat, _ = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN)
+    x_hat, _ = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN, "")
     dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(COMPUTE)
     g = dy * tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
-    slot = row.to(tl.int64) * n_slices + piece
-    tl.store(PartialXHatG + slot, tl.sum(x_hat * g, axis=0))
-    if SUBTRACT_MEAN:
-        tl.store(PartialG + slot, tl.sum(g, axis=0))
+    _store_slice_sums(x_hat, g, PartialXHatG, PartialG, row, piece, n_slices, SUBTRACT_MEAN)
 
 
 @triton.jit
@@ -245,19 +269,57 @@ def _norm_bwd_split_dx_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, DX, 
     dw = tl.zeros((BLOCK_N,), COMPUTE)
     db = tl.zeros((BLOCK_N,), COMPUTE)
     for row in range(group, n_rows, tl.num_programs(1)):
-        slots, slice_mask = split_row_partials(row, n_slices, BLOCK_SLICES)
-        mean_x_hat_g = tl.sum(tl.load(PartialXHatG + slots, mask=slice_mask, other=0.0), axis=0) / N
-        mean_g = tl.zeros((), COMPUTE)  # RMSNorm's dx has no mean(g) term
-        if SUBTRACT_MEAN:
-            mean_g = tl.sum(tl.load(PartialG + slots, mask=slice_mask, other=0.0), axis=0) / N
+        mean_x_hat_g, mean_g = _combine_row_sums(PartialXHatG, PartialG, row, N, n_slices, BLOCK_SLICES, COMPUTE,
+                                                 SUBTRACT_MEAN)
         offsets = tl.cast(row, tl.int64) * N + cols
-        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN)
+        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN, "")
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
         dx = (dy * w - (x_hat * mean_x_hat_g + mean_g)) * rstd
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
         if HAS_BIAS:
             db += dy
+    _store_partial_gradients(dw, db, PartialDW, PartialDB, group, N, cols, mask, HAS_BIAS)
+
+
+@triton.jit
+def _norm_bwd_cooperative_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, Arrivals, DX, PartialDW, PartialDB,
+                                 n_rows, N, n_slices, BLOCK_N: tl.constexpr, BLOCK_SLICES: tl.constexpr,
+                                 COMPUTE: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Both phases in one grid, as the cooperative forward: program p owns slice p % n_slices of rows
+    # p // n_slices, then that plus the rows at once, and so on. So each program keeps one column slice
+    # for good, and its dw, db stay in registers across its rows, as in the split's phase 2.
+    program = tl.program_id(0)
+    piece = program % n_slices
+    group = program // n_slices
+    cols = piece * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(COMPUTE)
+    dw = tl.zeros((BLOCK_N,), COMPUTE)
+    db = tl.zeros((BLOCK_N,), COMPUTE)
+    for row in range(group, n_rows, tl.num_programs(0) // n_slices):
+        _, _, offsets = split_row_slice(row, piece, N, BLOCK_N)
+        # x and dy cross DRAM once: they stay in this program's registers while the row's sums gather.
+        x_hat, rstd = _slice_x_hat(X, Mean, Rstd, row, offsets, mask, COMPUTE, SUBTRACT_MEAN, "evict_first")
+        dy = tl.load(DY + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(COMPUTE)
+        g = dy * w
+        _store_slice_sums(x_hat, g, PartialXHatG, PartialG, row, piece, n_slices, SUBTRACT_MEAN)
+        arrive_and_wait(Arrivals + row, n_slices)
+        mean_x_hat_g, mean_g = _combine_row_sums(PartialXHatG, PartialG, row, N, n_slices, BLOCK_SLICES, COMPUTE,
+                                                 SUBTRACT_MEAN)
+        dx = (g - (x_hat * mean_x_hat_g + mean_g)) * rstd
+        # Streaming (.cs): dx is not read here again, and would push out of L2 the lines other rows need.
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
+        dw += dy * x_hat
+        if HAS_BIAS:
+            db += dy
+    _store_partial_gradients(dw, db, PartialDW, PartialDB, group, N, cols, mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_partial_gradients(dw, db, PartialDW, PartialDB, group, N, cols, mask, HAS_BIAS: tl.constexpr):
+    """A program's dw (and db) over its group of rows, for its slice's columns: row ``group`` of the
+    (groups, N) buffers that the column reduction of ``layer_norm_backward.py`` sums."""
     partial = group.to(tl.int64) * N + cols
     tl.store(PartialDW + partial, dw, mask=mask)
     if HAS_BIAS:
@@ -266,26 +328,48 @@ def _norm_bwd_split_dx_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, DX, 
 
 def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n):
     """Fill ``grad_x`` and return the (groups, n) partial dw and db buffers (db: None for RMSNorm, whose
-    ``mean`` is None) that ``layer_norm.launch_norm_bwd_unchecked`` reduces over their rows."""
+    ``mean`` is None) that ``layer_norm.launch_norm_bwd_unchecked`` reduces over their rows.
+
+    On a GPU, in float32, one cooperative launch that reads x and dy once, when the GPU holds enough
+    rows' slices at once (``launch.cooperative_rows_at_once``; its groups are the rows at once); otherwise,
+    and under the interpreter, the two phases. (bfloat16 stays in two phases: a slice in registers is
+    half the bytes, too few in flight per SM while the programs wait, and on an H100 the grid ran rows
+    of 131,072 slower than the two phases did: profiling/results/h100/cooperative-backward.md.)"""
     subtract_mean = mean is not None
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
     statistics_dtype = accumulator_dtype(x.dtype)
     partial_x_hat_g = torch.empty(rows, slices, dtype=statistics_dtype, device=x.device)
     partial_g = torch.empty_like(partial_x_hat_g) if subtract_mean else partial_x_hat_g  # RMSNorm never reads it
-    # Groups of rows per slice: enough programs for about two per SM, never more groups than rows.
-    groups = max(1, persistent_program_count(x, rows * slices, 2) // slices)
-    partial_dw = torch.empty(groups, n, dtype=statistics_dtype, device=x.device)
-    partial_db = torch.empty_like(partial_dw) if subtract_mean else None
     mean_in = mean if subtract_mean else rstd  # a pointer RMSNorm's kernels never read
     # enable_fp_fusion=False in both phases: dx's cancellation needs the g = dy·w that phase 1 sums to be
     # the rounded g that phase 2 subtracts from (layer_norm.py's backward says why).
     flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
                  num_warps=SPLIT_WARPS, enable_fp_fusion=False)
+    dx_flags = dict(BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
     with on_device(x):
+        if x.is_cuda and x.dtype == torch.float32 and launch_settings.COOPERATIVE_ROWS:
+            # partial_x_hat_g stands in for the partial dw, db buffers, which are sized by the answer.
+            args = [grad_out, x, weight, mean_in, rstd, partial_x_hat_g, partial_g, ROW_ARRIVALS, grad_x,
+                    partial_x_hat_g, partial_x_hat_g, rows, n, slices]
+            groups = cooperative_rows_at_once(_norm_bwd_cooperative_kernel, rows, slices, *args, **dx_flags)
+            if groups:
+                partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
+                args[9:11] = partial_dw, (partial_dw if partial_db is None else partial_db)
+                launch_cooperative(_norm_bwd_cooperative_kernel, rows, slices, *args, **dx_flags)
+                return partial_dw, partial_db
+        # Groups of rows per slice: enough programs for about two per SM, never more groups than rows.
+        groups = max(1, persistent_program_count(x, rows * slices, 2) // slices)
+        partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
         launch(_norm_bwd_split_sums_kernel, (rows, slices), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
                partial_g, n, slices, **flags)
         launch(_norm_bwd_split_dx_kernel, (slices, groups), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
                partial_g, grad_x, partial_dw, partial_dw if partial_db is None else partial_db, rows, n, slices,
-               BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
+               **dx_flags)
     return partial_dw, partial_db
+
+
+def _partial_gradients(groups: int, n: int, dtype: torch.dtype, x: torch.Tensor, subtract_mean: bool):
+    """The (groups, n) partial dw buffer, and db's (None for RMSNorm)."""
+    partial_dw = torch.empty(groups, n, dtype=dtype, device=x.device)
+    return partial_dw, (torch.empty_like(partial_dw) if subtract_mean else None)
