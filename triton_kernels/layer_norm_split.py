@@ -334,7 +334,7 @@ def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n):
     rows' slices at once (``launch.cooperative_rows_at_once``; its groups are the rows at once); otherwise,
     and under the interpreter, the two phases. (bfloat16 stays in two phases: a slice in registers is
     half the bytes, too few in flight per SM while the programs wait, and on an H100 the grid ran rows
-    of 131,072 slower than the two phases did: profiling/results/h100/cooperative-backward.md.)"""
+    of 131,072 slower than the two phases did: profiling/results/h100/cooperative-grids.md.)"""
     subtract_mean = mean is not None
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
