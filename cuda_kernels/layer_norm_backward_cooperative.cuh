@@ -16,11 +16,24 @@ namespace kernel_ladder {
 // merges them in a fixed order (every block of the row gets the same bits) and writes dx from shared
 // memory. Its threads own the same columns in every row it walks, so dw, db stay in registers until
 // one partial row per block: rows_at_once partial rows, which layer_norm_weight_grads_kernel sums.
-constexpr int64_t kBackwardSliceBytes = 32 * 1024;  // of x, and as much of dy: 64 KB a block, 3 an SM
-constexpr int kBackwardStagedPacks = 4;             // packs a thread: 512 threads for a 32 KB slice
+//
+// Two blocks an SM: while one waits for its copies or for its row's other slices, the other computes.
+// Registers bound that, not shared memory: every column a block owns keeps two accumulators (dw, db)
+// across all its rows. At 4 packs a thread, bfloat16's 8 values a pack made that 64 floats, and the
+// kernel took 128 registers, a whole SM's register file for one 512-thread block; float32 LayerNorm
+// took 74, also one block an SM. Each such block waited with nothing else in flight (ncu on an H100, rows
+// of 32,768 bfloat16: 25 % of warps active, 47 % of DRAM bandwidth). So __launch_bounds__ asks for two
+// blocks an SM (64 registers; float32 and 16-bit LayerNorm spill one 8-byte value, which measured no
+// loss), and 16-bit types stage 2 packs a thread (16 KB slices of x), float32 keeps 4 (32 KB). On an H100,
+// forward+backward at 32,768 to 524,288 went from 76-63 % to 85-71 % of copy bandwidth in float32
+// LayerNorm and from 66-53 % to 72-56 % in bfloat16 RMSNorm; float32 RMSNorm (58 registers, already two
+// blocks an SM) did not move (profiling/results/h100/cooperative-grids.md). float64 keeps one block an SM.
+template <typename T> constexpr int kBackwardStagedPacks = sizeof(T) == 4 ? 4 : 2;
+template <typename T>  // of x, and as much of dy: 64 KB (float32) or 32 KB a block
+constexpr int64_t kBackwardSliceBytes = int64_t{kMaxThreads / 2} * kBackwardStagedPacks<T> * 16;
 
 template <typename T, bool kSubtractMean>
-__global__ void __launch_bounds__(kMaxThreads / 2)
+__global__ void __launch_bounds__(kMaxThreads / 2, sizeof(T) == 8 ? 1 : 2)
 layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
                                        const T* __restrict__ weight, const Acc<T>* __restrict__ mean,
                                        const Acc<T>* __restrict__ rstd, T* __restrict__ grad_x,
@@ -28,7 +41,7 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
                                        RowSums<Acc<T>>* __restrict__ partial_sums, unsigned* __restrict__ arrivals,
                                        int64_t rows, int64_t n, int splits, int64_t slice_packs) {
   using A = Acc<T>;
-  constexpr int kVec = kVecOf<T>, kPacks = kBackwardStagedPacks;
+  constexpr int kVec = kVecOf<T>, kPacks = kBackwardStagedPacks<T>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* x_slice = reinterpret_cast<T*>(shared_bytes);
   T* dy_slice = x_slice + slice_packs * kVec;
@@ -94,8 +107,8 @@ layer_norm_backward_cooperative_kernel(const T* __restrict__ grad_out, const T* 
 
 template <typename T, bool kSubtractMean>
 CooperativePlan backward_cooperative_plan(int64_t rows, int64_t n) {
-  return cooperative_plan<T>(layer_norm_backward_cooperative_kernel<T, kSubtractMean>, rows, n, kBackwardStagedPacks,
-                             kBackwardSliceBytes, 2);
+  return cooperative_plan<T>(layer_norm_backward_cooperative_kernel<T, kSubtractMean>, rows, n, kBackwardStagedPacks<T>,
+                             kBackwardSliceBytes<T>, 2);
 }
 
 }  // namespace kernel_ladder
