@@ -308,7 +308,8 @@ def _norm_bwd_cooperative_kernel(DY, X, W, Mean, Rstd, PartialXHatG, PartialG, A
         mean_x_hat_g, mean_g = _combine_row_sums(PartialXHatG, PartialG, row, N, n_slices, BLOCK_SLICES, COMPUTE,
                                                  SUBTRACT_MEAN)
         dx = (g - (x_hat * mean_x_hat_g + mean_g)) * rstd
-        # Streaming (.cs): dx is not read here again, and would push out of L2 the lines other rows need.
+        # Streaming (.cs): dx is not read here again, so its lines may leave L2 before the partial sums and
+        # counters that the rows in flight still read.
         tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
         dw += dy * x_hat
         if HAS_BIAS:

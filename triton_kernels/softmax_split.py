@@ -95,8 +95,8 @@ def _softmax_fwd_cooperative_kernel(X, Y, PartialMax, PartialSum, Arrivals, n_ro
         _store_slice_max_and_sum(x, PartialMax, PartialSum, row, piece, n_slices)
         arrive_and_wait(Arrivals + row, n_slices)
         row_max, reciprocal_sum = _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES)
-        # Streaming (.cs): y is not read here again, and its lines would push out of L2 the partials and
-        # counters the rows in flight still read (2-3 points of copy bandwidth on an H100:
+        # Streaming (.cs): y is not read here again, so its lines may leave L2 before the partials and
+        # counters that the rows in flight still read (1-3 points of copy bandwidth on an H100:
         # profiling/results/h100/cooperative-grids.md).
         tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask,
                  cache_modifier=".cs")
