@@ -23,11 +23,12 @@ namespace kernel_ladder {
 // kernel took 128 registers, a whole SM's register file for one 512-thread block; float32 LayerNorm
 // took 74, also one block an SM. Each such block waited with nothing else in flight (ncu on an H100, rows
 // of 32,768 bfloat16: 25 % of warps active, 47 % of DRAM bandwidth). So __launch_bounds__ asks for two
-// blocks an SM (64 registers; float32 and 16-bit LayerNorm spill one 8-byte value, which measured no
-// loss), and 16-bit types stage 2 packs a thread (16 KB slices of x), float32 keeps 4 (32 KB). On an H100,
+// blocks an SM (64 registers; float32 and 16-bit LayerNorm spill one 8-byte value, and the figures below
+// include it), and 16-bit types stage 2 packs a thread (16 KB slices of x), float32 keeps 4 (32 KB). On an H100,
 // forward+backward at 32,768 to 524,288 went from 76-63 % to 85-71 % of copy bandwidth in float32
 // LayerNorm and from 66-53 % to 72-56 % in bfloat16 RMSNorm; float32 RMSNorm (58 registers, already two
-// blocks an SM) did not move (profiling/results/h100/cooperative-grids.md). float64 keeps one block an SM.
+// blocks an SM) did not move (profiling/results/h100/cooperative-grids.md). float64 stages 2 packs of 2
+// values and keeps one block an SM.
 template <typename T> constexpr int kBackwardStagedPacks = sizeof(T) == 4 ? 4 : 2;
 template <typename T>  // of x, and as much of dy: 64 KB (float32) or 32 KB a block
 constexpr int64_t kBackwardSliceBytes = int64_t{kMaxThreads / 2} * kBackwardStagedPacks<T> * 16;
