@@ -371,13 +371,13 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = Fals
                     each row is cut into slices of ``SPLIT_BLOCK``, one program each; phase 1 reduces the
                     slices to partial statistics, phase 2 combines them and normalises
                     (layer_norm_split.py, softmax_split.py);
-    ``"cooperative"`` on a GPU, for a kernel that has a ``cooperative`` version (the forwards), every row
-                    too long for one program's registers (``one_array``: as ``row_tile`` counts them):
-                    slices of ``SPLIT_BLOCK`` in registers across a grid whose programs are all resident,
-                    which wait for their row's partial statistics instead of re-reading the row. The row
-                    crosses DRAM once, where "looped" and "split" read it twice (at most 2/3 of copy
-                    bandwidth). The interpreter never gets it: it runs programs one at a time, so one that
-                    waits for another would wait forever.
+    ``"cooperative"`` on a GPU, for a kernel that has a ``cooperative`` version (the forwards, the norms'
+                    float32 backward), every row too long for one program's registers (``one_array``: as
+                    ``row_tile`` counts them): slices of ``SPLIT_BLOCK`` in registers across a grid whose
+                    programs are all resident, which wait for their row's partial statistics instead of
+                    re-reading the row. The row crosses DRAM once, where "looped" and "split" read it
+                    twice (at most 2/3 of copy bandwidth). The interpreter never gets it: it runs programs
+                    one at a time, so one that waits for another would wait forever.
     ``"looped_in_l2"`` on a GPU, instead of "cooperative", for a forward that asks ``loop_in_l2`` (the
                     norms'): rows short enough that one an SM fits in half of L2, enough of them to fill
                     every SM. One row a program, looped over with ``L2_LOOPED_TILE``, whose second read

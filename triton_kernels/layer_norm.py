@@ -51,8 +51,8 @@ Limits
     grid forward on a GPU, or split in two phases when they are too few to fill the SMs; never rejected.
     Backward they are always split: across a cooperative grid in float32 on a GPU, else in two phases.
     The backward's partial buffers have at most min(rows, a few × SMs) rows of N float32 values.
-    float16, bfloat16, float32, float64 on the GPU (statistics and sums in float32, float64 for float64); float32 and
-    float64 under the interpreter.
+    float16, bfloat16, float32, float64 on the GPU (statistics and sums in float32, float64 for float64);
+    float32 and float64 under the interpreter.
 
 Check
     python -m pytest tests -k "layer_norm and triton"

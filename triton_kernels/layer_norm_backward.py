@@ -123,8 +123,12 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     grad_bias = torch.empty_like(weight) if subtract_mean else None
     if rows == 0:
         return grad_x, grad_weight.zero_(), (grad_bias.zero_() if subtract_mean else None)
-    if row_strategy(rows, n, x) in ("looped", "split"):  # rows too long for registers: each split across programs
-        partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n)
+    # Rows too long for registers: each split across programs, on a cooperative grid in float32 on a GPU
+    # (bfloat16's measured slower there: layer_norm_split.launch_norm_bwd_split says why).
+    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32)
+    if strategy in ("looped", "split", "cooperative"):
+        partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n,
+                                                       cooperative=strategy == "cooperative")
     else:
         partials = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias)
         if partials is None:  # one program wrote the gradients themselves

@@ -6,9 +6,9 @@ Why
     batch of one sequence of long features) that is a few programs on a GPU of 132 SMs: most SMs sit
     idle, and each busy one loops over its row alone. Here a row is cut into slices of
     ``launch.SPLIT_BLOCK`` elements, one program each, so rows × slices programs share the work.
-    ``launch.row_strategy`` decides when, for the forward. The backward splits every row too long for
-    registers, however many rows there are: its column-slice programs are what keep dw and db in
-    registers (``layer_norm_backward.py`` says why that matters).
+    ``launch.row_strategy`` decides when, and whether on a cooperative grid. The backward splits every
+    row too long for registers, however many rows there are: its column-slice programs are what keep dw
+    and db in registers (``layer_norm_backward.py`` says why that matters).
 
 Read once: the cooperative forward (a GPU only)
     ``_norm_fwd_cooperative_kernel`` keeps each slice in its program's registers while the row's
@@ -327,15 +327,15 @@ def _store_partial_gradients(dw, db, PartialDW, PartialDB, group, N, cols, mask,
         tl.store(PartialDB + partial, db, mask=mask)
 
 
-def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n):
+def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n, cooperative=False):
     """Fill ``grad_x`` and return the (groups, n) partial dw and db buffers (db: None for RMSNorm, whose
     ``mean`` is None) that ``layer_norm.launch_norm_bwd_unchecked`` reduces over their rows.
 
-    On a GPU, in float32, one cooperative launch that reads x and dy once, when the GPU holds enough
-    rows' slices at once (``launch.cooperative_rows_at_once``; its groups are the rows at once); otherwise,
-    and under the interpreter, the two phases. (bfloat16 stays in two phases: a slice in registers is
-    half the bytes, too few in flight per SM while the programs wait, and on an H100 the grid ran rows
-    of 131,072 slower than the two phases did: profiling/results/h100/cooperative-grids.md.)"""
+    ``cooperative`` (a GPU only; the backward's launcher asks it in float32): one launch that reads x and
+    dy once, when the GPU holds enough rows' slices at once (``launch.cooperative_rows_at_once``; its
+    groups are the rows at once); otherwise the two phases. (bfloat16 stays in two phases: a slice in
+    registers is half the bytes, too few in flight per SM while the programs wait, and on an H100 the
+    grid ran rows of 131,072 slower than the two phases did: profiling/results/h100/cooperative-grids.md.)"""
     subtract_mean = mean is not None
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
@@ -349,7 +349,7 @@ def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n):
                  num_warps=SPLIT_WARPS, enable_fp_fusion=False)
     dx_flags = dict(BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
     with on_device(x):
-        if x.is_cuda and x.dtype == torch.float32 and launch_settings.COOPERATIVE_ROWS:
+        if cooperative:
             # partial_x_hat_g stands in for the partial dw, db buffers, which are sized by the answer.
             args = [grad_out, x, weight, mean_in, rstd, partial_x_hat_g, partial_g, ROW_ARRIVALS, grad_x,
                     partial_x_hat_g, partial_x_hat_g, rows, n, slices]
