@@ -115,9 +115,8 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   A sum = 0;
   // Every load is written before the first add, so that a lane's kPacks loads can be in flight together
   // and the row's memory latency is paid once. Loaded and summed pack by pack in one loop, the warps
-  // waited 2.7 times longer on their loads than level 4's kernel (ncu), and on an H100 float32 rows of
-  // 128 and 512 moved 83 and 95 % of copy bandwidth; this way 95 and 98 %
-  // (profiling/results/h100/level5-trailing-rows-ncu.md).
+  // waited far longer on their loads than level 4's kernel (ncu), and short float32 rows moved less of
+  // copy bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md).
   Pack<T, kVec> in[kPacks];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {

@@ -79,8 +79,8 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
   A values[kPacks][kVec];
   MaxSum<A> mine;
   // Every load is written before the first max, so that a lane's kPacks loads fly together and the
-  // row's memory latency is paid once, as in layer_norm.cu's warp kernel (on an H100, float32 rows of
-  // 128 went from 91 to 96 % of copy bandwidth: profiling/results/h100/level5-trailing-rows-ncu.md).
+  // row's memory latency is paid once, as in layer_norm.cu's warp kernel (measured on an H100:
+  // profiling/results/h100/level5-trailing-rows-ncu.md).
   Pack<T, kVec> in[kPacks];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
