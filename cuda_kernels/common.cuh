@@ -167,6 +167,33 @@ struct LaneGroupRow {
   static unsigned blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
 };
 
+// A lane's part of its group's row in the short-row layout (LayerNorm's and softmax's warp kernels), as
+// accumulator values: lane l owns packs l, l + kLanes, ... (so the group reads kLanes adjacent packs at
+// each step), and `pad` stands where a pack lies past the row, or the row past the last; `fold` sees each
+// value as it lands (a sum, a max). Every load is issued before the first value is used, so that a
+// lane's kPacks loads are in flight together and the row's memory latency is paid once: loaded and used
+// pack by pack, the warps waited far longer on their loads than level 4's kernel (ncu), and short float32
+// rows moved less of copy bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md).
+template <typename T, int kVec, int kPacks, int kLanes, typename Fold>
+__device__ __forceinline__ void load_lane_row(Acc<T> (&values)[kPacks][kVec], const T* x_row, int lane, int n_packs,
+                                              bool row_exists, Acc<T> pad, Fold&& fold) {
+  Pack<T, kVec> in[kPacks];
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int pack = lane + k * kLanes;
+    if (row_exists && pack < n_packs) in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const bool inside = row_exists && lane + k * kLanes < n_packs;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      values[k][j] = inside ? to_acc(in[k].val[j]) : pad;
+      fold(values[k][j]);
+    }
+  }
+}
+
 // The most of a row one block stages in shared memory: 64 KB leaves room for 3 blocks an SM, so one
 // block's copies fly while another reduces and a third writes. A cluster of up to kMaxClusterBlocks
 // blocks (Hopper's largest; beyond 8 is "non-portable", opted into) holds a row of 16 such slices.

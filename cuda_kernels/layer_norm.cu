@@ -110,29 +110,9 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   const int lane = place.lane;
   const int n_packs = static_cast<int>(n / kVec);
   const T* x_row = x + row * n;
-  // Lane l of the group owns packs l, l + kLanes, ...: the group reads kLanes adjacent packs at each step.
   A values[kPacks][kVec];
   A sum = 0;
-  // Every load is written before the first add, so that a lane's kPacks loads can be in flight together
-  // and the row's memory latency is paid once. Loaded and summed pack by pack in one loop, the warps
-  // waited far longer on their loads than level 4's kernel (ncu), and short float32 rows moved less of
-  // copy bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md).
-  Pack<T, kVec> in[kPacks];
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kLanes;
-    if (row_exists && pack < n_packs) in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
-  }
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kLanes;
-    const bool inside = row_exists && pack < n_packs;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      values[k][j] = inside ? to_acc(in[k].val[j]) : A(0);
-      sum += values[k][j];
-    }
-  }
+  load_lane_row<T, kVec, kPacks, kLanes>(values, x_row, lane, n_packs, row_exists, A(0), [&](A value) { sum += value; });
   A mean = 0;  // RMSNorm's: no reduction for it
   if constexpr (kSubtractMean) mean = warp_reduce<kLanes>(sum, Add{}) / A(n);
   A squares = 0;

@@ -75,28 +75,10 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
   const int lane = place.lane;
   const int n_packs = static_cast<int>(n / kVec);
   const T* x_row = x + row * n;
-  // Lane l of the group owns packs l, l + kLanes, ...: the group reads kLanes adjacent packs at each step.
   A values[kPacks][kVec];
   MaxSum<A> mine;
-  // Every load is written before the first max, so that a lane's kPacks loads fly together and the
-  // row's memory latency is paid once, as in layer_norm.cu's warp kernel (measured on an H100:
-  // profiling/results/h100/level5-trailing-rows-ncu.md).
-  Pack<T, kVec> in[kPacks];
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kLanes;
-    if (row_exists && pack < n_packs) in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
-  }
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kLanes;
-    const bool inside = row_exists && pack < n_packs;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      values[k][j] = inside ? to_acc(in[k].val[j]) : A(-INFINITY);
-      mine.max = fmax(mine.max, values[k][j]);
-    }
-  }
+  load_lane_row<T, kVec, kPacks, kLanes>(values, x_row, lane, n_packs, row_exists, A(-INFINITY),
+                                         [&](A value) { mine.max = fmax(mine.max, value); });
   // A lane past the end of a short row holds only padding (max -inf): shift by 0 instead, so its
   // exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN, which would poison the row's sum.
   const A shift = mine.max == A(-INFINITY) ? A(0) : mine.max;
