@@ -47,6 +47,21 @@ __device__ __forceinline__ void write_normalized_pack(T* y_row, const T* weight,
   store_pack_once<T, kVec>(y_row + pack * kVec, out);
 }
 
+// y for packs [0, n_packs) of a row's slice, the block's threads striding over them: pack p's values come
+// from load(p) (the slice staged in shared memory, or x read again), and y_slice, weight and bias point at
+// the slice's first column (bias: null for RMSNorm).
+template <typename T, int kVec, bool kSubtractMean, typename Index, typename Load>
+__device__ __forceinline__ void write_normalized_slice(T* y_slice, const T* weight, const T* bias, Index n_packs,
+                                                       Load&& load, Acc<T> mean, Acc<T> rstd) {
+  for (Index pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load(pack);
+    Acc<T> values[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
+    write_normalized_pack<T, kVec, kSubtractMean>(y_slice, weight, bias, pack, values, mean, rstd);
+  }
+}
+
 // Long rows: blocks of at most 512 threads, at least 8 packs a thread in a cluster's slice.
 constexpr int kLongRowThreads = 512;
 constexpr int kPacksPerThread = 8;
@@ -141,14 +156,9 @@ layer_norm_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__
     rstd_out[mine.row] = rstd;
   }
   const int64_t first_column = mine.first_pack * kVec;
-  for (int pack = threadIdx.x; pack < mine.n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(slice + pack * kVec);
-    A values[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-    write_normalized_pack<T, kVec, kSubtractMean>(y + mine.offset, weight + first_column,
-                                                  kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
-  }
+  write_normalized_slice<T, kVec, kSubtractMean>(
+      y + mine.offset, weight + first_column, kSubtractMean ? bias + first_column : bias, mine.n_packs,
+      [&](int pack) { return load_pack<T, kVec>(slice + pack * kVec); }, mean, rstd);
 #else
   __trap();  // the launcher runs this kernel only where it was compiled for sm_90 or later
 #endif
@@ -186,14 +196,9 @@ layer_norm_forward_cooperative_kernel(const T* __restrict__ x, const T* __restri
       if constexpr (kSubtractMean) mean_out[row] = mean;
       rstd_out[row] = rstd;
     }
-    for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-      const Pack<T, kVec> in = load_pack<T, kVec>(slice + pack * kVec);
-      A values[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-      write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
-                                                    kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
-    }
+    write_normalized_slice<T, kVec, kSubtractMean>(
+        y + offset, weight + first_column, kSubtractMean ? bias + first_column : bias, n_packs,
+        [&](int pack) { return load_pack<T, kVec>(slice + pack * kVec); }, mean, rstd);
   }
 }
 
@@ -236,14 +241,9 @@ layer_norm_normalise_kernel(const T* __restrict__ x, const Moments<Acc<T>>* __re
   const int64_t first_pack = blockIdx.x % splits * slice_packs;
   const int64_t n_packs = min(slice_packs, n / kVec - first_pack);
   const int64_t offset = row * n + first_pack * kVec, first_column = first_pack * kVec;
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack_once<T, kVec>(x + offset + pack * kVec);
-    A values[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-    write_normalized_pack<T, kVec, kSubtractMean>(y + offset, weight + first_column,
-                                                  kSubtractMean ? bias + first_column : bias, pack, values, mean, rstd);
-  }
+  write_normalized_slice<T, kVec, kSubtractMean>(
+      y + offset, weight + first_column, kSubtractMean ? bias + first_column : bias, n_packs,
+      [&](int64_t pack) { return load_pack_once<T, kVec>(x + offset + pack * kVec); }, mean, rstd);
 }
 
 // Long rows, enough of them (or not in 16-byte packs): layer_norm.cu's register kernel's math, with the
@@ -263,13 +263,9 @@ layer_norm_forward_looped_kernel(const T* __restrict__ x, const T* __restrict__ 
     if constexpr (kSubtractMean) mean_out[blockIdx.x] = mean;
     rstd_out[blockIdx.x] = rstd;
   }
-  for (int64_t pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(x_row + pack * kVec);
-    A values[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) values[j] = to_acc(in.val[j]);
-    write_normalized_pack<T, kVec, kSubtractMean>(y + static_cast<int64_t>(blockIdx.x) * n, weight, bias, pack, values, mean, rstd);
-  }
+  write_normalized_slice<T, kVec, kSubtractMean>(
+      y + static_cast<int64_t>(blockIdx.x) * n, weight, bias, n_packs,
+      [&](int64_t pack) { return load_pack<T, kVec>(x_row + pack * kVec); }, mean, rstd);
 }
 
 // --- launcher ------------------------------------------------------------------------------------
