@@ -14,7 +14,8 @@
 //   layer_norm_forward_warp_kernel      short rows (up to 32 values per lane x 32 lanes): a group of 1 to
 //                                       32 lanes per row, the row in registers, reduced with shuffles, so
 //                                       128-value rows keep all 32 lanes of a warp busy (8 rows a warp)
-//   layer_norm_forward_kernel           rows of up to 32 KB: one block per row; the row sits in registers
+//   layer_norm_forward_kernel           rows of up to 64 KB (32 KB for LayerNorm in float32/float64): one
+//                                       block per row; the row sits in registers
 //                                       (four 16-byte packs per thread): read once, mean, then variance of
 //                                       the centred values (exact two-pass, no second read), normalise,
 //                                       write once
@@ -56,16 +57,16 @@
 //
 // Limits
 //   Any n >= 1. Forward: rows of up to 1024 float32/half-precision values (512 float64) in a few lanes'
-//   registers, up to 32 KB in a block's registers, up to 256 KB (4 x 64 KB) in a cluster's shared memory
-//   on sm_90+ when n is a multiple of the pack width, and longer such rows in 64 KB slices over a
-//   cooperative grid while it holds at least 3 rows' slices at once (a 25 MB row does not fit at all);
-//   other long rows are split (too few rows to fill the GPU: x read twice, the second time from L2 while
-//   it fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a block's registers, up
-//   to 16 times that in a cluster's on sm_90+ (16-byte packs); other long rows are read twice: by one
-//   block per row, or, when the rows are fewer than the blocks the GPU holds at once (sm_90 too), by
-//   column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads need n to be
-//   a multiple of the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers, else
-//   1-element loads. rows < 2^31.
+//   registers, up to 64 KB in a block's registers (or 32 KB, kForwardThreads), up to 256 KB (4 x 64 KB) in
+//   a cluster's shared memory on sm_90+ when n is a multiple of the pack width, and longer such rows in
+//   64 KB slices over a cooperative grid while it holds at least 3 rows' slices at once (a 25 MB row does not
+//   fit at all); other long rows are split (too few rows to fill the GPU: x read twice, the second time
+//   from L2 while it fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a
+//   block's registers, up to 16 times that in a cluster's on sm_90+ (16-byte packs); other long rows are
+//   read twice: by one block per row, or, when the rows are fewer than the blocks the GPU holds at once
+//   (sm_90 too), by column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads
+//   need n to be a multiple of the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers,
+//   else 1-element loads. rows < 2^31.
 //   float16, bfloat16, float32 (statistics and sums in float32) and float64.
 //
 // Check
@@ -79,16 +80,23 @@
 
 namespace kernel_ladder {
 
-// Row values per thread in registers. The forward holds one array: four 16-byte packs of the input a
-// thread (16 floats, 32 halves, 8 doubles), in blocks of at most 512 threads (up to 128 registers
-// each). Four packs is what the H100 liked for both widths, measured at (8192, 8192): with 64 bytes a
-// thread, float32 reached 93.7 % of copy bandwidth and bfloat16 91.4 %; with 128 bytes (twice the
-// values, half the threads) bfloat16 rose to 94.4 % and float32 fell to 87.5 %. What matters is the
-// number of loads each thread keeps in flight and how many blocks share an SM while others wait in
-// their two block reductions (barriers), so the budget is counted in packs, not in values. (The
-// backward's budget is in layer_norm_backward.cu.)
-constexpr int kForwardMaxThreads = 512;
+// Row values per thread in registers. The forward holds one array: four 16-byte packs of the input a thread
+// (16 floats, 32 halves, 8 doubles), in blocks of kForwardThreads (below). Four packs is what the H100
+// liked for both widths, measured at (8192, 8192): with 64 bytes a thread, float32 reached 93.7 % of copy
+// bandwidth and bfloat16 91.4 %; with 128 bytes (twice the values, half the threads) bfloat16 rose to
+// 94.4 % and float32 fell to 87.5 %. What matters is the number of loads each thread keeps in flight and how
+// many blocks share an SM while others wait in their two block reductions (barriers), so the budget is
+// counted in packs, not in values. (The backward's budget is in layer_norm_backward.cu.)
 template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeof(T));
+// Threads of that kernel, so rows of up to kForwardValues x this: 1024 (64 KB rows in registers, where
+// longer rows go to the cluster kernels of layer_norm_long_rows.cuh, which stage the row in shared memory
+// and read it three times) except in two cases, which stop at 512 (32 KB). Rows not in 16-byte packs load
+// value by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would
+// spill. And LayerNorm's 4- and 8-byte kernels need 40 registers a thread: a 1024-thread block then has
+// an SM to itself, and while it sits in its two reductions nothing else on the SM reads memory; the
+// cluster kernel is faster for those rows. (Measured: profiling/results/h100/level5-trailing-rows-ncu.md.)
+template <typename T, int kVec, bool kSubtractMean>
+constexpr int kForwardThreads = kVec == 1 || (kSubtractMean && sizeof(T) >= 4) ? 512 : 1024;
 
 // --- forward -------------------------------------------------------------------------------------
 
@@ -145,9 +153,9 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   }
 }
 
-// Rows of up to 32 KB: one block per row, the row in registers (kForwardValues a thread).
+// Rows of up to kForwardThreads x kForwardValues (64 KB or 32 KB): one block per row, the row in registers.
 template <typename T, int kVec, bool kSubtractMean>
-__global__ void __launch_bounds__(kForwardMaxThreads)
+__global__ void __launch_bounds__(kForwardThreads<T, kVec, kSubtractMean>)
 layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
                           T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
                           int64_t n, Acc<T> eps) {
@@ -205,8 +213,10 @@ int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n) {
   int64_t splits = 1;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    // What one block (in registers: 32 KB) or one cluster (16 blocks' shared memory) reads once.
-    const int64_t in_registers = int64_t{kForwardMaxThreads} * kForwardValues<T> * static_cast<int64_t>(sizeof(T));
+    // What one block (in registers; LayerNorm's bound, the lower) or one cluster (16 blocks' shared
+    // memory) reads once. The launcher honours a split even where RMSNorm's block could hold the row.
+    const int64_t in_registers =
+        int64_t{kForwardThreads<T, kVecOf<T>, true>} * kForwardValues<T> * static_cast<int64_t>(sizeof(T));
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
     const bool clusters = norm_clusters_available<T>();
     // Rows longer than a cluster of kClusterRowBlocks holds (or than a block's registers, without
@@ -238,16 +248,14 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
     T* out = static_cast<T*>(y);
     A* means = static_cast<A*>(mean);
     A* rstds = static_cast<A*>(rstd);
-    if (n > int64_t{kForwardMaxThreads} * kForwardValues<T>) {
-      launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps), splits,
-                                                      partials, s);
-      return;
-    }
     const bool vectorise = n % kVecOf<T> == 0 && aligned_16(x) && aligned_16(weight) &&
                            (!kSubtractMean || aligned_16(bias)) && aligned_16(y);
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
-      if (n <= kWarpSize * kLaneRowValues<A>) {
+      if (splits > 1 || n > int64_t{kForwardThreads<T, kVec, kSubtractMean>} * kForwardValues<T>) {
+        launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps),
+                                                        splits, partials, s);
+      } else if (n <= kWarpSize * kLaneRowValues<A>) {
         dispatch_lanes_per_row<A>(n, [&](auto lanes) {
           constexpr int kLanes = decltype(lanes)::value;
           layer_norm_forward_warp_kernel<T, kVec, kLanes, kSubtractMean>

@@ -1,4 +1,4 @@
-// LayerNorm's and RMSNorm's forward for rows longer than a block's registers hold (past 32 KB): a
+// LayerNorm's and RMSNorm's forward for rows longer than a block's registers hold (past 64 or 32 KB): a
 // cluster of blocks per row on Hopper, each row split over many blocks when rows are too few to fill
 // the GPU, and a looped block per row for the rest. layer_norm.cu includes this file, calls
 // launch_norm_forward_long_rows, and tells the whole story (formulas, kernels, limits).
