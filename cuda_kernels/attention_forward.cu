@@ -106,12 +106,10 @@ __device__ __forceinline__ void online_softmax(float (&s)[kKeyTileOf<kD> / 8][4]
     for (int n = 0; n < kKeyTileOf<kD> / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float& score = s[n][2 * half + e];
-        score *= scale_log2;
-        if (kMasked && !visible.sees(row0 + 8 * half, key0 + n * 8 + lane % 4 * 2 + e)) score = -INFINITY;
+        if (kMasked && !visible.sees(row0 + 8 * half, key0 + n * 8 + lane % 4 * 2 + e)) s[n][2 * half + e] = -INFINITY;
       }
     }
-    const float rescale = exponentiate_row(s, half, row_max[half], row_sum[half]);
+    const float rescale = exponentiate_row(s, half, scale_log2, row_max[half], row_sum[half]);
 #pragma unroll
     for (int d = 0; d < kD / 8; ++d) {
       o[d][2 * half] *= rescale;

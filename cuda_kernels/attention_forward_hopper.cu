@@ -187,12 +187,10 @@ __device__ __forceinline__ void online_softmax_of_tile(float (&s)[kKeys / 8][4],
     for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float& score = s[n][2 * half + e];
-        score *= scale_log2;
-        if (kMasked && (n * 8 + e < lowest || n * 8 + e >= past)) score = -INFINITY;
+        if (kMasked && (n * 8 + e < lowest || n * 8 + e >= past)) s[n][2 * half + e] = -INFINITY;
       }
     }
-    rescale[half] = exponentiate_row(s, half, row_max[half], row_sum[half]);
+    rescale[half] = exponentiate_row(s, half, scale_log2, row_max[half], row_sum[half]);
   }
 }
 

@@ -215,30 +215,35 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // The online softmax's step for one row of a score tile, shared by the mma.sync and wgmma forward kernels,
 // whose accumulators have the C layout above (a thread holds columns 8 n + 2 (lane % 4) + e of two rows,
-// `half` 0 and 1; the quad of lanes holding a row holds all of it). s holds the tile's scores already in
-// log2 units, -inf where the mask hides a key. The row's part of s becomes P = 2^(s - m) with m the new
-// running max; row_max becomes m, row_sum is rescaled to it and grows by this lane's P (the quad's partial
-// sums meet at the end); returns 2^(m_old - m), the factor the output accumulated so far must take.
+// `half` 0 and 1; the quad of lanes holding a row holds all of it). s holds the tile's raw scores, -inf
+// where the mask hides a key; scale_log2 (> 0) takes them to log2 units. The row's part of s becomes
+// P = 2^(s * scale_log2 - m) with m the new running max (log2 units), in one FFMA and one MUFU.EX2 a score:
+// the max is taken over the raw scores, since a positive scale keeps their order (and rounding keeps it
+// too, so the scaled max is the max of the scaled scores). row_max becomes m, row_sum is rescaled to it and
+// grows by this lane's P (the quad's partial sums meet at the end); returns 2^(m_old - m), the factor the
+// output accumulated so far must take.
 template <int kBlocks>
-__device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int half, float& row_max, float& row_sum) {
-  float tile_max = row_max;
+__device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int half, float scale_log2, float& row_max,
+                                                  float& row_sum) {
+  float tile_max = -INFINITY;
 #pragma unroll
   for (int n = 0; n < kBlocks; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
   // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  const float new_max = fmaxf(row_max, tile_max * scale_log2);
   // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
   // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
-  const float shift = tile_max == -INFINITY ? 0.0f : tile_max;
+  const float shift = new_max == -INFINITY ? 0.0f : new_max;
   const float rescale = exp2_approx(row_max - shift);
-  row_max = tile_max;
+  row_max = new_max;
   row_sum *= rescale;
 #pragma unroll
   for (int n = 0; n < kBlocks; ++n) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       float& p = s[n][2 * half + e];
-      p = exp2_approx(p - shift);
+      p = exp2_approx(fmaf(p, scale_log2, -shift));
       row_sum += p;
     }
   }
