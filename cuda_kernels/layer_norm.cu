@@ -14,11 +14,11 @@
 //   layer_norm_forward_warp_kernel      short rows (up to 32 values per lane x 32 lanes): a group of 1 to
 //                                       32 lanes per row, the row in registers, reduced with shuffles, so
 //                                       128-value rows keep all 32 lanes of a warp busy (8 rows a warp)
-//   layer_norm_forward_kernel           rows of up to 64 KB (32 KB for LayerNorm in float32/float64): one
-//                                       block per row; the row sits in registers
-//                                       (four 16-byte packs per thread): read once, mean, then variance of
-//                                       the centred values (exact two-pass, no second read), normalise,
-//                                       write once
+//   layer_norm_forward_kernel           rows of up to 64 KB (32 KB for LayerNorm in float32/float64 and
+//                                       for rows not in 16-byte packs): one block per row; the row sits in
+//                                       registers (four 16-byte packs per thread): read once, mean, then
+//                                       variance of the centred values (exact two-pass, no second read),
+//                                       normalise, write once
 //   layer_norm_forward_cluster_kernel   rows of up to 4 x 64 KB (more when the cooperative grid below does
 //                                       not apply), Hopper (sm_90) and later: a thread-block
 //                                       CLUSTER per row, each block staging a 64 KB slice in shared memory;
@@ -91,10 +91,11 @@ template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeo
 // Threads of that kernel, so rows of up to kForwardValues x this: 1024 (64 KB rows in registers, where
 // longer rows go to the cluster kernels of layer_norm_long_rows.cuh, which stage the row in shared memory
 // and read it three times) except in two cases, which stop at 512 (32 KB). Rows not in 16-byte packs load
-// value by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would
-// spill. And LayerNorm's 4- and 8-byte kernels need 40 registers a thread: a 1024-thread block then has
-// an SM to itself, and while it sits in its two reductions nothing else on the SM reads memory; the
-// cluster kernel is faster for those rows. (Measured: profiling/results/h100/level5-trailing-rows-ncu.md.)
+// value by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would spill.
+// And LayerNorm's 4- and 8-byte kernels need more than 32 registers a thread (ptxas -v): two 1024-thread
+// blocks would need more than an SM's 64 K registers, so one block has the SM to itself, and while it sits
+// in its two reductions nothing else on the SM reads memory; the cluster kernel is faster for those rows.
+// (Measured: profiling/results/h100/level5-trailing-rows-ncu.md.)
 template <typename T, int kVec, bool kSubtractMean>
 constexpr int kForwardThreads = kVec == 1 || (kSubtractMean && sizeof(T) >= 4) ? 512 : 1024;
 
