@@ -255,7 +255,7 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
       constexpr int kVec = decltype(vec)::value;
       if (splits > 1 || n > int64_t{kForwardThreads<T, kVec, kSubtractMean>} * kForwardValues<T>) {
         launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps),
-                                                        splits, partials, s);
+                                                        splits, partials, vectorise, s);
       } else if (n <= kWarpSize * kLaneRowValues<A>) {
         dispatch_lanes_per_row<A>(n, [&](auto lanes) {
           constexpr int kLanes = decltype(lanes)::value;

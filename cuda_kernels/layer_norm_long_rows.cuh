@@ -287,13 +287,12 @@ CooperativePlan cooperative_forward_plan(int64_t rows, int64_t n) {
 // (layer_norm_forward_splits said 1) and at most 16 x 64 KB; else split (splits > 1, with `partials`
 // for rows * (splits + 1) Moments): read once by a cooperative grid when its plan has these splits
 // (the last rows Moments' words then count each row's arrivals), in two passes otherwise; or looped.
+// `vectorise`: the launcher's answer to whether the row is in 16-byte packs (n and every pointer).
 template <typename T, bool kSubtractMean>
 void launch_norm_forward_long_rows(const T* x, const T* weight, const T* bias, T* y, Acc<T>* mean, Acc<T>* rstd,
                                    int64_t rows, int64_t n, Acc<T> eps, int64_t splits, void* partials,
-                                   cudaStream_t stream) {
+                                   bool vectorise, cudaStream_t stream) {
   using A = Acc<T>;
-  const bool vectorise = n % kVecOf<T> == 0 && aligned_16(x) && aligned_16(weight) &&
-                         (!kSubtractMean || aligned_16(bias)) && aligned_16(y);
   const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
   if (vectorise && splits == 1 && row_bytes <= kMaxClusterBlocks * kSharedRowBytes && norm_clusters_available<T>()) {
     constexpr int kVec = kVecOf<T>;
