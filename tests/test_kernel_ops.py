@@ -223,6 +223,42 @@ def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
                                 None) is None  # an empty K: a descriptor has no zero-sized dim
 
 
+class _HopperMatrixStandIn:
+    """What _tma_operands asks of a contiguous bfloat16 matrix on a Hopper GPU, for a CPU-only machine."""
+
+    is_cuda = True
+
+    def __init__(self, rows: int, columns: int):
+        self.shape = (rows, columns)
+
+    def get_device(self) -> int:
+        return 0
+
+    def stride(self) -> tuple[int, int]:
+        return self.shape[1], 1
+
+    def element_size(self) -> int:
+        return 2
+
+    def data_ptr(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("rows", [1, 32, 64, 65, 8192])
+def test_every_large_matmul_leaves_its_autotuner_a_tile_to_time(rows, monkeypatch):
+    """On a Hopper GPU a large 16-bit matmul is autotuned over the tiles that fit it, on the TMA kernel
+    (128-row tiles) or the pointer kernel (down to 64 rows). A decode step's 32 tokens through GPT-2's LM
+    head (32 × 768 by 768 × 50304) fit no TMA tile: they must take the pointer kernel, or its autotuner has
+    no candidate left (generation at batch 32 failed so)."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    monkeypatch.setattr(matmul, "interpreter_is_on", lambda: False)
+    monkeypatch.setattr(matmul, "_has_tma", lambda device_index: True)
+    tma = matmul._tma_operands(_HopperMatrixStandIn(rows, 768), _HopperMatrixStandIn(768, 50304), None, "none", None)
+    assert (tma is not None) == (rows > 64)
+    autotuned = matmul._matmul_tma_autotuned if tma is not None else matmul._matmul_autotuned
+    assert matmul._tiles_worth_timing(autotuned.configs, {"M": rows, "N": 50304})
+
+
 def test_the_level_4_matmul_refuses_row_sums_it_has_no_programs_for():
     """An (M, 0) product launches no program, so nothing would sum A's M rows: an error, not zeros."""
     matmul = importlib.import_module("triton_kernels.matmul")

@@ -170,14 +170,17 @@ GROUP_M = 8
 """Tile-rows of C per group in the launch order (see ``_grouped_tile``)."""
 
 
+def _fits(block_m: int, block_n: int, M: int, N: int) -> bool:
+    """Whether a tile is no taller or wider than an (M, N) product, rounded up to a power of two and to
+    at least 64 (the height of one wgmma): a bigger tile only multiplies padding."""
+    return block_m <= max(64, next_power_of_2(M)) and block_n <= max(64, next_power_of_2(N))
+
+
 def _tiles_worth_timing(configs, named_args, **kwargs):
     """Which candidates autotuning times for a large matmul (small ones never reach the autotuner:
-    see ``_tile_choice``): those no taller or wider than the matrix (rounded up to a power of two, and
-    to at least 64, the height of one wgmma), since a bigger tile only multiplies padding."""
+    see ``_tile_choice``): those that ``_fits`` the product."""
     M, N = named_args["M"], named_args["N"]
-    return [config for config in configs
-            if config.kwargs["BLOCK_M"] <= max(64, next_power_of_2(M))
-            and config.kwargs["BLOCK_N"] <= max(64, next_power_of_2(N))]
+    return [config for config in configs if _fits(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], M, N)]
 
 
 # --- GELU (tanh approximation) ------------------------------------------------------------------------------
@@ -386,7 +389,10 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
     matmul, so that the CPU tests check its indexing too; and only where it measured faster on an H100
     (``TMA_TILES``): A read by rows, the epilogue none or accumulate, no row sums. TMA must also be able
     to read A and B in place: one stride of each is 1, the other a multiple of 16 bytes, and each starts
-    on 16 bytes; and K is not empty (a descriptor has no zero-sized dim).
+    on 16 bytes; and K is not empty (a descriptor has no zero-sized dim). On the GPU, one of its tiles
+    must fit the product (``_fits``): they are all 128 rows tall, so a product of 64 rows or fewer (a
+    decode step's batch of tokens through the LM head) takes the pointer kernel's 64-row tiles, where the
+    autotuner would otherwise prune every candidate away.
 
     What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
     bias gradient's row sums), where the TMA kernel ran 3-27 % slower, and the GELU epilogues, where the
@@ -394,7 +400,8 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
     overlaps the other's K loop, which one persistent program an SM cannot do."""
     if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE) or a.shape[1] == 0:
         return None
-    if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device()))):
+    if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device()) and any(
+            _fits(candidate.block_m, candidate.block_n, a.shape[0], b.shape[1]) for candidate in TMA_TILES))):
         return None
     a_layout, b_layout = _box_layout(a), _box_layout(b)
     if a_layout is None or a_layout[0] or b_layout is None:
