@@ -400,13 +400,20 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
     overlaps the other's K loop, which one persistent program an SM cannot do."""
     if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE) or a.shape[1] == 0:
         return None
-    if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device()) and any(
-            _fits(candidate.block_m, candidate.block_n, a.shape[0], b.shape[1]) for candidate in TMA_TILES))):
+    if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device())
+                                    and _a_tma_tile_fits(a.shape[0], b.shape[1]))):
         return None
     a_layout, b_layout = _box_layout(a), _box_layout(b)
     if a_layout is None or a_layout[0] or b_layout is None:
         return None
     return _TmaOperands(b_layout[0], a_layout[1], b_layout[1])
+
+
+@functools.cache
+def _a_tma_tile_fits(M: int, N: int) -> bool:
+    """Whether any of TMA_TILES ``_fits`` an (M, N) product: asked on every large matmul's call, so
+    answered once per shape."""
+    return any(_fits(tile.block_m, tile.block_n, M, N) for tile in TMA_TILES)
 
 
 def _box_layout(operand: torch.Tensor) -> tuple[bool, int] | None:
