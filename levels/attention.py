@@ -303,9 +303,18 @@ class _AttentionKernel(AttentionSpec):
     autograd."""
 
     def check_inputs(self, q, k, v):
+        # A training or decode loop calls with one signature every time. The checks read nothing else,
+        # so a signature that passed once passes again: the next call compares it and goes on
+        # (profiling/results/h100/attention-host-path.md).
+        signature = ((q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+                     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+                     else None)
+        if signature is not None and signature == self.__dict__.get("_signature_passed"):
+            return
         super().check_inputs(q, k, v)
         if not attention_head_dim_supported(q.shape[-1]):
             raise ValueError(unsupported_head_dim_message(q.shape[-1], self.kernel_name))
+        self.__dict__["_signature_passed"] = signature
 
     def compute(self, q, k, v):
         return self.backend().attention(q, k, v, self.causal, self.window or 0, self.scale_for(q.shape[-1]))

@@ -227,3 +227,49 @@ def test_launchers_refuse_other_devices_and_dtypes_by_name():
     layer_norm = importlib.import_module("triton_kernels").layer_norm
     with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
         layer_norm(torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5)
+
+
+# --- work done once per input signature -----------------------------------------------------------------
+
+
+def test_attention_forward_checks_and_plans_a_signature_once_and_every_new_one_again(monkeypatch):
+    """A training or decode loop calls the forward with one signature every step: checked and planned once
+    (attention_forward.forward_launch), it launches from the kept plan after that. Any change of shape,
+    stride, dtype, mask or scale is a new signature, checked again; operands copied to be readable are
+    copied at every call, never kept."""
+    attention_forward = importlib.import_module("triton_kernels.attention_forward")
+    checked = []
+    check = attention_forward.checked_readable_inputs
+    monkeypatch.setattr(attention_forward, "checked_readable_inputs",
+                        lambda *args: checked.append(args[0].shape) or check(*args))
+    monkeypatch.setattr(attention_forward, "_FORWARD_LAUNCHES", {})
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    first, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
+    again, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
+    assert len(checked) == 1 and torch.equal(first, again)
+    attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.5)  # another scale
+    attention_forward.launch_attention_fwd(q, k, v, False, 0, 0.25)  # another mask
+    assert len(checked) == 3
+    with pytest.raises(RuntimeError, match="causal attention with 8 queries but only 4 keys"):
+        attention_forward.launch_attention_fwd(q, k[:, :, :4], v[:, :, :4], True, 0, 0.25)
+    odd_view = torch.randn(1, 2, 16, 8).transpose(2, 3)  # head_dim values 16 apart: copied to be read
+    for _ in range(2):
+        out, _ = attention_forward.launch_attention_fwd(q, odd_view, v, False, 0, 0.25)
+    assert len(checked) == 6 and torch.allclose(out, attention_forward.launch_attention_fwd(
+        q, odd_view.contiguous(), v, False, 0, 0.25)[0])
+
+
+def test_a_level_checks_each_new_attention_signature_after_one_has_passed():
+    """Levels 4 and 5 keep the last signature of (q, k, v) that passed their checks, and compare the next
+    call's to it: a call whose shapes, dtypes or devices differ is checked in full."""
+    attention = levels.build("attention", "triton", causal=True)
+    q = torch.randn(1, 2, 8, 16)
+    attention(q, q, q)
+    with pytest.raises(ValueError, match="shapes do not fit together"):
+        attention(q, q, torch.randn(1, 2, 8, 8))
+    with pytest.raises(TypeError, match="q, k and v must share dtype"):
+        attention(q, q, q.double())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        attention(q, q, None)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(*(torch.randn(1, 2, 8, 12) for _ in range(3)))

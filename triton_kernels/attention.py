@@ -30,7 +30,7 @@ Check
 import torch
 
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
-from .attention_forward import checked_readable_inputs, launch_attention_fwd, launch_attention_fwd_unchecked
+from .attention_forward import forward_launch, launch_attention_fwd
 from .attention_tiles import check_attention_shapes, empty_attention_output
 from .eager import EagerFunction
 from .launch import accumulator_dtype
@@ -97,8 +97,8 @@ class _AttentionEager(EagerFunction):
     def forward(ctx, q, k, v, causal, window, scale):
         # The heads of a fused projection are read where they lie; an odd view is copied once, here,
         # and the copy saved, so the backward does not copy it again. The gradients come back contiguous.
-        q, k, v = checked_readable_inputs(q, k, v, causal, window)
-        out, lse = launch_attention_fwd_unchecked(q, k, v, causal, window, scale)
+        q, k, v, forward = forward_launch(q, k, v, causal, window, scale)
+        out, lse = forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask_and_scale = (causal, window, scale)
         return out

@@ -66,6 +66,7 @@ Check
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -75,7 +76,7 @@ from .attention_tiles import (
     LOG2E,
     AttentionTile,
     check_attention_shapes,
-    empty_attention_output,
+    attention_output_stride,
     head_dim_slices,
     head_rows,
     head_strides,
@@ -85,6 +86,7 @@ from .attention_tiles import (
     padded_head_dim,
     query_block_of_program,
     readable,
+    row_strides,
     store_columns,
     wide_float_tile,
 )
@@ -249,37 +251,84 @@ def _attention_fwd_kernel(Q, K, V, Out, LSE, query_length, key_length, heads, gr
 
 def checked_readable_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                             window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v checked (shapes, dtypes, device) and made readable (``attention_tiles.readable``): what
-    ``launch_attention_fwd_unchecked`` takes, and what the eager forward saves for the backward."""
+    """q, k, v checked (shapes, dtypes, device) and made readable (``attention_tiles.readable``)."""
     check_attention_shapes("attention_forward", q, k, v, causal, window)
     check_inputs("attention_forward", q, k, v)
     return readable(q), readable(k), readable(v)
 
 
-def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch_attention_fwd_unchecked(*checked_readable_inputs(q, k, v, causal, window), causal, window, scale)
+class ForwardLaunch(NamedTuple):
+    """Everything one forward call launches but its tensors, for one signature of the inputs (shapes,
+    strides, dtypes, devices, mask, scale). ``forward_launch`` works it out once, checks included, and
+    keeps it: a decode step or a training step calls with the same signature every time, and per call
+    the checks, the tile table and the stride arithmetic cost more host time than a short kernel takes
+    on the GPU (profiling/results/h100/attention-host-path.md)."""
+
+    programs: int  # 0: nothing to launch (no queries, or no keys to attend)
+    out_stride: tuple[int, ...]  # attention_tiles.attention_output_stride
+    lse_dtype: torch.dtype
+    scalars: tuple  # the kernel's arguments after its five tensors
+    constants: dict
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of q, k, v of this launch's signature, as ``forward_launch`` returned them."""
+        out = q.new_empty_strided(q.shape, self.out_stride)
+        lse = q.new_empty(q.shape[:3], dtype=self.lse_dtype)
+        if not self.programs:
+            # No queries, or (full attention only) no keys: a softmax over none is an empty sum, as level 1 gives.
+            return out.zero_(), lse.fill_(float("-inf"))
+        with on_device(q):
+            launch(_attention_fwd_kernel, (self.programs,), q, k, v, out, lse, *self.scalars, **self.constants)
+        return out, lse
 
 
-def launch_attention_fwd_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
-                                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q, k, v that ``checked_readable_inputs`` returned."""
+_FORWARD_LAUNCHES: dict[tuple, ForwardLaunch] = {}
+_MOST_FORWARD_LAUNCHES = 256
+"""Signatures kept at once; past this many (a loop over ever-new shapes) the table starts again."""
+
+
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardLaunch]:
+    """(q, k, v, launch): the operands as the kernel reads them, checked and made readable
+    (``checked_readable_inputs``), and the ``ForwardLaunch`` of their signature. A signature seen before
+    whose operands were read where they lie skips the checks: they read nothing but the signature."""
+    signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                 q.device, k.device, v.device, causal, window, scale)
+    known = _FORWARD_LAUNCHES.get(signature)
+    if known is not None:
+        return q, k, v, known
+    read_q, read_k, read_v = checked_readable_inputs(q, k, v, causal, window)
+    known = _plan_forward(read_q, read_k, read_v, causal, window, scale)
+    if read_q is q and read_k is k and read_v is v:
+        if len(_FORWARD_LAUNCHES) >= _MOST_FORWARD_LAUNCHES:
+            _FORWARD_LAUNCHES.clear()
+        _FORWARD_LAUNCHES[signature] = known
+    return read_q, read_k, read_v, known
+
+
+def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                  scale: float) -> ForwardLaunch:
     batch, heads, query_length, head_dim = q.shape
     key_length = k.shape[2]
-    out = empty_attention_output(q)
-    lse = torch.empty((batch, heads, query_length), dtype=accumulator_dtype(q.dtype), device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if key_length == 0:  # (full attention only) a softmax over no keys: an empty sum, as level 1 gives
-        return out.zero_(), lse.fill_(float("-inf"))
+    out_stride, lse_dtype = attention_output_stride(q.shape), accumulator_dtype(q.dtype)
+    if not (q.numel() and key_length):  # an empty output, or (full attention only) no keys to attend
+        return ForwardLaunch(0, out_stride, lse_dtype, (), {})
     block_d, rest_d = head_dim_slices(head_dim)
     tile = forward_tile(head_dim, q.dtype, windowed=causal and window > 0)
-    programs = cdiv(query_length, tile.block_m) * batch * heads
-    with on_device(q):
-        launch(_attention_fwd_kernel, (programs,), q, k, v, out, lse, query_length, key_length, heads,
-               heads // k.shape[1], window, *split_float(scale), *head_strides(q), *head_strides(k), *head_strides(v),
-               *head_strides(out), HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
-               BLOCK_N=tile.block_n, CAUSAL=causal,
-               WINDOWED=causal and window > 0, COMPUTE=compute_dtype(q.dtype),
-               DOT_PRECISION=dot_input_precision(q.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
-    return out, lse
+    return ForwardLaunch(
+        programs=cdiv(query_length, tile.block_m) * batch * heads,
+        out_stride=out_stride,
+        lse_dtype=lse_dtype,
+        scalars=(query_length, key_length, heads, heads // k.shape[1], window, *split_float(scale),
+                 *head_strides(q), *head_strides(k), *head_strides(v), *row_strides(q.shape, out_stride)),
+        constants=dict(HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
+                       BLOCK_N=tile.block_n, CAUSAL=causal, WINDOWED=causal and window > 0,
+                       COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_input_precision(q.dtype),
+                       num_warps=tile.num_warps, num_stages=tile.num_stages))
+
+
+def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q, k, v: checked, read where they lie or copied once, launched."""
+    q, k, v, forward = forward_launch(q, k, v, causal, window, scale)
+    return forward(q, k, v)

@@ -24,7 +24,7 @@ backward: q, k, v and the merged heads forward, the gradient of the output backw
 """
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -141,16 +141,27 @@ def readable(t: torch.Tensor) -> torch.Tensor:
 def head_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """The (batch, head, row) strides of a readable operand, 0 for a dim of size 1 (never stepped along,
     and so a multiple of ROW_ALIGNMENT whatever its stride was)."""
-    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape[:3], t.stride()[:3]))
+    return row_strides(t.shape, t.stride())
+
+
+def row_strides(size: Sequence[int], stride: Sequence[int]) -> tuple[int, int, int]:
+    """``head_strides`` of a tensor of this size and stride."""
+    return tuple(step if extent > 1 else 0 for extent, step in zip(size[:3], stride[:3]))
+
+
+def attention_output_stride(size: Sequence[int]) -> tuple[int, int, int, int]:
+    """The strides of the forward's output (batch, heads, query_length, head_dim) laid out as (batch,
+    query_length, heads, head_dim): the order in which self-attention's output projection reads the heads
+    back, one row of heads·head_dim per token, so that ``out.transpose(1, 2).reshape(batch, tokens,
+    width)`` is a view, not a copy (as level 5's output). (An empty dim counts as 1, as in PyTorch's
+    own contiguous strides.)"""
+    _, heads, query_length, head_dim = (max(extent, 1) for extent in size)
+    return (query_length * heads * head_dim, head_dim, heads * head_dim, 1)
 
 
 def empty_attention_output(q: torch.Tensor) -> torch.Tensor:
-    """The forward's output, (batch, heads, query_length, head_dim) laid out as (batch, query_length,
-    heads, head_dim): the order in which self-attention's output projection reads the heads back, one
-    row of heads·head_dim per token, so that ``out.transpose(1, 2).reshape(batch, tokens, width)`` is a
-    view, not a copy (as level 5's output)."""
-    batch, heads, query_length, head_dim = q.shape
-    return q.new_empty((batch, query_length, heads, head_dim)).transpose(1, 2)
+    """The forward's output for q, laid out as ``attention_output_stride`` says."""
+    return q.new_empty_strided(q.shape, attention_output_stride(q.shape))
 
 
 # --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------
