@@ -273,3 +273,25 @@ def test_a_level_checks_each_new_attention_signature_after_one_has_passed():
         attention(q, q, None)
     with pytest.raises(ValueError, match="head_dim"):
         attention(*(torch.randn(1, 2, 8, 12) for _ in range(3)))
+
+
+def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_again(monkeypatch):
+    """LayerNorm's and RMSNorm's forward keep a row kernel's launch per signature (layer_norm.launch_norm_fwd):
+    the second call with one signature is not checked again; another eps, weight, dtype or shape is."""
+    layer_norm = importlib.import_module("triton_kernels.layer_norm")
+    checked = []
+    check = layer_norm.check_norm_shapes
+    monkeypatch.setattr(layer_norm, "check_norm_shapes", lambda op, x, **kw: checked.append(op) or check(op, x, **kw))
+    monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", {})
+    x, weight, bias = torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    first = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
+    again = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
+    assert checked == ["layer_norm_forward"] and all(torch.equal(a, b) for a, b in zip(first, again))
+    layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-3, True)  # another eps
+    y, mean, rstd = layer_norm.launch_norm_fwd("rms_norm_forward", x, weight, None, 1e-5, False)  # RMSNorm, no stats
+    assert len(checked) == 3 and mean is None and rstd is None
+    torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight)
+    with pytest.raises(RuntimeError, match="weight is \\(8,\\) torch.float32, expected \\(16,\\)"):
+        layer_norm.launch_norm_fwd("layer_norm_forward", x, weight[:8], bias, 1e-5, True)
+    with pytest.raises(RuntimeError, match="bias is \\(16,\\) torch.float64"):
+        layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias.double(), 1e-5, True)

@@ -59,6 +59,8 @@ Check
     python -m profiling --component layer_norm --shape 8192 8192 --backward
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -203,39 +205,77 @@ def launch_layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return launch_norm_fwd("layer_norm_forward", x, weight, bias, eps, keep_statistics)
 
 
+class NormForwardLaunch(NamedTuple):
+    """One forward of a norm by a row kernel, but its tensors, for one signature of its inputs: what
+    ``launch_norm_fwd`` works out once (checks, strategy, tile, kernel arguments) and keeps, since a model
+    calls each norm with the same signature every step, and at GPT-2's sizes that work costs more host
+    time than the kernel takes on the GPU (profiling/results/h100/attention-host-path.md has the same
+    plan for attention, measured). A launch is planned under launch.py's row-strategy settings of the
+    time, as ``row_tile``'s cached answers are: code that changes them empties the table too."""
+
+    kernel: object
+    grid: tuple[int]
+    rows: int
+    scalars: tuple  # the kernel's arguments after its six tensors
+    constants: dict
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """(y, mean, rstd) of inputs of this launch's signature, as ``launch_norm_fwd`` returns them."""
+        keep_statistics, subtract_mean = self.constants["STORE_STATISTICS"], self.constants["SUBTRACT_MEAN"]
+        out = torch.empty_like(x)
+        rstd = x.new_empty(self.rows, dtype=accumulator_dtype(x.dtype)) if keep_statistics else None
+        mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
+        # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
+        with on_device(x):
+            launch(self.kernel, self.grid, x, out, weight, bias if subtract_mean else weight,
+                   mean if mean is not None else out, rstd if rstd is not None else out, *self.scalars,
+                   **self.constants)
+        return out, mean, rstd
+
+
+_NORM_FORWARD_LAUNCHES: dict[tuple, NormForwardLaunch] = {}
+_MOST_NORM_FORWARD_LAUNCHES = 256
+"""Signatures kept at once; past this many (a loop over ever-new shapes) the table starts again."""
+
+
 def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                     keep_statistics: bool):
     """The forward of both norms: LayerNorm, or RMSNorm when ``bias`` is None (no mean, no bias).
-    Returns (y, mean, rstd); mean is None for RMSNorm, both statistics without ``keep_statistics``."""
+    Returns (y, mean, rstd); mean is None for RMSNorm, both statistics without ``keep_statistics``.
+    A signature (shapes, strides, dtypes, devices, eps) seen before by a row kernel skips its checks and
+    planning: they read nothing else."""
+    signature = (op, x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+                 weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                 eps, keep_statistics)
+    planned = _NORM_FORWARD_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(x, weight, bias)
     subtract_mean = bias is not None
     per_column = {"weight": weight, "bias": bias} if subtract_mean else {"weight": weight}
     rows, n = check_norm_shapes(op, x, per_column=per_column)
     check_inputs(op, x, *per_column.values())
-    out = torch.empty_like(x)
-    rstd = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device) if keep_statistics else None
-    mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
-    if rows == 0:
-        return out, mean, rstd
-    strategy = row_strategy(rows, n, x, cooperative=True, loop_in_l2=True)
-    if strategy in ("split", "cooperative"):  # long rows on a GPU, or a few long rows: each split across programs
-        launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=strategy == "cooperative")
+    strategy = row_strategy(rows, n, x, cooperative=True, loop_in_l2=True) if rows else None
+    if strategy in (None, "split", "cooperative"):
+        # No rows, or long rows on a GPU (or a few long ones) each split across programs: unplanned.
+        out = torch.empty_like(x)
+        rstd = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device) if keep_statistics else None
+        mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
+        if rows:
+            launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n,
+                                  cooperative=strategy == "cooperative")
         return out, mean, rstd
     tile = L2_LOOPED_TILE if strategy == "looped_in_l2" else row_tile(n)
-    # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
-    mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
-    bias_in = bias if subtract_mean else weight
-    with on_device(x):
-        if tile.looped:
-            launch(layer_norm_fwd_looped_kernel, (rows,), x, out, weight, bias_in, mean_out, rstd_out, n,
-                   *split_float(eps), BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype),
-                   STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
-                   num_warps=tile.num_warps)
-        else:
-            launch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), x, out, weight, bias_in, mean_out,
-                   rstd_out, rows, n, *split_float(eps), BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile,
-                   COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics, SUBTRACT_MEAN=subtract_mean,
-                   HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
-    return out, mean, rstd
+    constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
+                     SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
+    if tile.looped:
+        planned = NormForwardLaunch(layer_norm_fwd_looped_kernel, (rows,), rows, (n, *split_float(eps)), constants)
+    else:
+        planned = NormForwardLaunch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), rows,
+                                    (rows, n, *split_float(eps)), constants | {"ROWS_PER_TILE": tile.rows_per_tile})
+    if len(_NORM_FORWARD_LAUNCHES) >= _MOST_NORM_FORWARD_LAUNCHES:
+        _NORM_FORWARD_LAUNCHES.clear()
+    _NORM_FORWARD_LAUNCHES[signature] = planned
+    return planned(x, weight, bias)
 
 
 # --- backward (kernels in layer_norm_backward.py) -------------------------------------------------
