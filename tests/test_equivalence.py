@@ -198,7 +198,8 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
         monkeypatch.setattr(launch_module, name, value)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
     # The norms' kept forward launches were planned under the settings before these (layer_norm.launch_norm_fwd).
-    monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm"), "_NORM_FORWARD_LAUNCHES", {})
+    monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm"), "_NORM_FORWARD_LAUNCHES",
+                        launch_module.SignatureTable())
     try:
         launched = set()
         for module_name in ("triton_kernels.layer_norm", "triton_kernels.layer_norm_backward",

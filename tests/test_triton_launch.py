@@ -242,7 +242,7 @@ def test_attention_forward_checks_and_plans_a_signature_once_and_every_new_one_a
     check = attention_forward.checked_readable_inputs
     monkeypatch.setattr(attention_forward, "checked_readable_inputs",
                         lambda *args: checked.append(args[0].shape) or check(*args))
-    monkeypatch.setattr(attention_forward, "_FORWARD_LAUNCHES", {})
+    monkeypatch.setattr(attention_forward, "_FORWARD_LAUNCHES", attention_forward.SignatureTable())
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     first, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
     again, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
@@ -282,7 +282,7 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
     checked = []
     check = layer_norm.check_norm_shapes
     monkeypatch.setattr(layer_norm, "check_norm_shapes", lambda op, x, **kw: checked.append(op) or check(op, x, **kw))
-    monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", {})
+    monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", layer_norm.SignatureTable())
     x, weight, bias = torch.randn(4, 16), torch.randn(16), torch.randn(16)
     first = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
     again = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
@@ -295,3 +295,28 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight[:8], bias, 1e-5, True)
     with pytest.raises(RuntimeError, match="bias is \\(16,\\) torch.float64"):
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias.double(), 1e-5, True)
+
+
+def test_attention_backward_plans_a_signature_once_and_a_new_gradient_layout_again(monkeypatch):
+    attention_backward = importlib.import_module("triton_kernels.attention_backward")
+    planned = []
+    plan = attention_backward._plan_backward
+    monkeypatch.setattr(attention_backward, "_plan_backward", lambda *args: planned.append(1) or plan(*args))
+    monkeypatch.setattr(attention_backward, "_BACKWARD_LAUNCHES", attention_backward.SignatureTable())
+    attention = levels.build("attention", "triton", causal=True)
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    grads = []
+    for grad_out in (torch.randn(1, 2, 8, 16), torch.randn(1, 8, 2, 16).transpose(1, 2)):  # the merged heads' view
+        for _ in range(2):
+            q.grad = k.grad = v.grad = None
+            attention(q, k, v).backward(grad_out)
+            grads.append([t.grad for t in (q, k, v)])
+    assert len(planned) == 2  # one plan per layout of the output's gradient
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+
+
+def test_a_signature_table_starts_again_once_full():
+    table = importlib.import_module("triton_kernels.launch").SignatureTable(most=2)
+    assert table.keep("a", 1) == 1 and table.keep("b", 2) == 2
+    table.keep("c", 3)
+    assert table == {"c": 3}

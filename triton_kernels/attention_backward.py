@@ -68,7 +68,16 @@ from .attention_tiles import (
     store_rows,
     wide_float_tile,
 )
-from .launch import cdiv, check_inputs, compute_dtype, dot_input_precision, launch, on_device, split_float
+from .launch import (
+    SignatureTable,
+    cdiv,
+    check_inputs,
+    compute_dtype,
+    dot_input_precision,
+    launch,
+    on_device,
+    split_float,
+)
 
 
 class BackwardTiles(NamedTuple):
@@ -300,41 +309,72 @@ def launch_attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                           window, scale)
 
 
-def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
-    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``):
-    q, k, v and out readable, as the forward saved them; grad_out, autograd's, may be any view."""
+class BackwardLaunch(NamedTuple):
+    """The backward's three launches but their tensors, for one signature of its inputs (shapes, strides,
+    dtype, mask, scale): worked out once by ``launch_attention_bwd_unchecked`` and kept, as the forward's
+    (attention_forward.ForwardLaunch)."""
+
+    delta_grid: tuple[int, int]
+    delta_scalars: tuple  # the δ kernel's arguments after out, grad_out and delta
+    delta_constants: dict
+    key_grid: tuple[int]
+    key_constants: dict
+    query_grid: tuple[int] | None  # None: every query sees exactly one key, and no gradient reaches q or k
+    query_constants: dict
+    scalars: tuple  # the dk, dv and dq kernels' arguments after their tensors
+
+
+_BACKWARD_LAUNCHES = SignatureTable()
+
+
+def _plan_backward(grad_out, q, k, v, out, causal, window, scale) -> BackwardLaunch:
     batch, heads, query_length, head_dim = q.shape
     kv_heads, key_length = k.shape[1], k.shape[2]
-    if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    grad_out = readable(grad_out)
-    grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
-    delta = torch.empty_like(lse)
     block_d = padded_head_dim(head_dim)
     tiles = backward_tiles(block_d, q.dtype)
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, WINDOWED=causal and window > 0,
-                  COMPUTE=compute_dtype(q.dtype),
-                  DOT_PRECISION=dot_input_precision(q.dtype))
-    scale_halves = split_float(scale)
+                  COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_input_precision(q.dtype))
     grad_out_strides = head_strides(grad_out)
-    strides = (*head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides)
+    key_tile, query_tile = tiles.key_blocks, tiles.query_blocks
+    # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q or k.
+    # Say so exactly, rather than as the rounding noise of dp − δ (level 1 gives zeros).
+    one_key_each = key_length == 1 or (causal and window == 1)
+    return BackwardLaunch(
+        delta_grid=(batch * heads, cdiv(query_length, DELTA_ROWS)),
+        delta_scalars=(query_length, heads, *head_strides(out), *grad_out_strides),
+        delta_constants=dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=DELTA_ROWS,
+                             COMPUTE=compute_dtype(q.dtype), num_warps=4),
+        key_grid=(cdiv(key_length, key_tile.block_n) * batch * kv_heads,),
+        key_constants=dict(BLOCK_M=key_tile.block_m, BLOCK_N=key_tile.block_n, num_warps=key_tile.num_warps,
+                           num_stages=key_tile.num_stages, **shared),
+        query_grid=None if one_key_each else (cdiv(query_length, query_tile.block_m) * batch * heads,),
+        query_constants=dict(BLOCK_M=query_tile.block_m, BLOCK_N=query_tile.block_n,
+                             num_warps=query_tile.num_warps, num_stages=query_tile.num_stages, **shared),
+        scalars=(query_length, key_length, heads, heads // kv_heads, window, *split_float(scale),
+                 *head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides))
+
+
+def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, causal: bool, window: int, scale: float):
+    """``launch_attention_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``):
+    q, k, v and out readable, as the forward saved them; grad_out, autograd's, may be any view. Its
+    launches are planned once per signature (``BackwardLaunch``)."""
+    if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    grad_out = readable(grad_out)
+    signature = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
+                 causal, window, scale)
+    planned = _BACKWARD_LAUNCHES.get(signature) or _BACKWARD_LAUNCHES.keep(
+        signature, _plan_backward(grad_out, q, k, v, out, causal, window, scale))
+    grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+    delta = torch.empty_like(lse)
     with on_device(q):
-        launch(_attention_bwd_delta_kernel, (batch * heads, cdiv(query_length, DELTA_ROWS)), out, grad_out, delta,
-               query_length, heads, *head_strides(out), *grad_out_strides, HEAD_DIM=head_dim, BLOCK_D=block_d,
-               BLOCK_ROWS=DELTA_ROWS, COMPUTE=compute_dtype(q.dtype), num_warps=4)
-        tile = tiles.key_blocks
-        launch(_attention_bwd_dkdv_kernel, (cdiv(key_length, tile.block_n) * batch * kv_heads,), q, k, v, grad_out,
-               lse, delta, grad_k, grad_v, query_length, key_length, heads, heads // kv_heads, window, *scale_halves,
-               *strides, BLOCK_M=tile.block_m,
-               BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
-        if key_length == 1 or (causal and window == 1):
-            # Every query sees exactly one key: each softmax is the constant 1, so no gradient reaches q
-            # or k. Say so exactly, rather than as the rounding noise of dp − δ (level 1 gives zeros).
+        launch(_attention_bwd_delta_kernel, planned.delta_grid, out, grad_out, delta, *planned.delta_scalars,
+               **planned.delta_constants)
+        launch(_attention_bwd_dkdv_kernel, planned.key_grid, q, k, v, grad_out, lse, delta, grad_k, grad_v,
+               *planned.scalars, **planned.key_constants)
+        if planned.query_grid is None:
             return grad_q.zero_(), grad_k.zero_(), grad_v
-        tile = tiles.query_blocks
-        launch(_attention_bwd_dq_kernel, (cdiv(query_length, tile.block_m) * batch * heads,), q, k, v, grad_out, lse,
-               delta, grad_q, query_length, key_length, heads, heads // kv_heads, window, *scale_halves, *strides,
-               BLOCK_M=tile.block_m,
-               BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages, **shared)
+        launch(_attention_bwd_dq_kernel, planned.query_grid, q, k, v, grad_out, lse, delta, grad_q, *planned.scalars,
+               **planned.query_constants)
     return grad_q, grad_k, grad_v

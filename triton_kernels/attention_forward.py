@@ -96,6 +96,7 @@ from .launch import (
     check_inputs,
     compute_dtype,
     dot_input_precision,
+    SignatureTable,
     launch,
     on_device,
     split_float,
@@ -282,9 +283,7 @@ class ForwardLaunch(NamedTuple):
         return out, lse
 
 
-_FORWARD_LAUNCHES: dict[tuple, ForwardLaunch] = {}
-_MOST_FORWARD_LAUNCHES = 256
-"""Signatures kept at once; past this many (a loop over ever-new shapes) the table starts again."""
+_FORWARD_LAUNCHES = SignatureTable()
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
@@ -300,9 +299,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     read_q, read_k, read_v = checked_readable_inputs(q, k, v, causal, window)
     known = _plan_forward(read_q, read_k, read_v, causal, window, scale)
     if read_q is q and read_k is k and read_v is v:
-        if len(_FORWARD_LAUNCHES) >= _MOST_FORWARD_LAUNCHES:
-            _FORWARD_LAUNCHES.clear()
-        _FORWARD_LAUNCHES[signature] = known
+        _FORWARD_LAUNCHES.keep(signature, known)
     return read_q, read_k, read_v, known
 
 

@@ -570,6 +570,24 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     return True
 
 
+class SignatureTable(dict):
+    """Launch plans kept per input signature (shapes, strides, dtypes, devices and the op's scalars): a
+    model calls each op with the same few signatures step after step, so a launcher that works out its
+    checks, tiles and kernel arguments once per signature only allocates and launches after that. At
+    most ``most`` at once: past that (a loop over ever-new shapes) the table starts again. A dict, so
+    that the lookup on every call is dict's own ``get``."""
+
+    def __init__(self, most: int = 256):
+        super().__init__()
+        self.most = most
+
+    def keep(self, signature: tuple, plan):
+        if len(self) >= self.most:
+            self.clear()
+        self[signature] = plan
+        return plan
+
+
 _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
 
 

@@ -68,6 +68,7 @@ import triton.language as tl
 from .eager import EagerFunction
 from .launch import (
     L2_LOOPED_TILE,
+    SignatureTable,
     accumulator_dtype,
     cdiv,
     check_contiguous,
@@ -233,9 +234,7 @@ class NormForwardLaunch(NamedTuple):
         return out, mean, rstd
 
 
-_NORM_FORWARD_LAUNCHES: dict[tuple, NormForwardLaunch] = {}
-_MOST_NORM_FORWARD_LAUNCHES = 256
-"""Signatures kept at once; past this many (a loop over ever-new shapes) the table starts again."""
+_NORM_FORWARD_LAUNCHES = SignatureTable()
 
 
 def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -272,10 +271,7 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     else:
         planned = NormForwardLaunch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), rows,
                                     (rows, n, *split_float(eps)), constants | {"ROWS_PER_TILE": tile.rows_per_tile})
-    if len(_NORM_FORWARD_LAUNCHES) >= _MOST_NORM_FORWARD_LAUNCHES:
-        _NORM_FORWARD_LAUNCHES.clear()
-    _NORM_FORWARD_LAUNCHES[signature] = planned
-    return planned(x, weight, bias)
+    return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
 
 
 # --- backward (kernels in layer_norm_backward.py) -------------------------------------------------
