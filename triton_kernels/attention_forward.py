@@ -91,12 +91,12 @@ from .attention_tiles import (
     wide_float_tile,
 )
 from .launch import (
+    SignatureTable,
     accumulator_dtype,
     cdiv,
     check_inputs,
     compute_dtype,
     dot_input_precision,
-    SignatureTable,
     launch,
     on_device,
     split_float,

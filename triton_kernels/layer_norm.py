@@ -210,8 +210,8 @@ class NormForwardLaunch(NamedTuple):
     """One forward of a norm by a row kernel, but its tensors, for one signature of its inputs: what
     ``launch_norm_fwd`` works out once (checks, strategy, tile, kernel arguments) and keeps, since a model
     calls each norm with the same signature every step, and at GPT-2's sizes that work costs more host
-    time than the kernel takes on the GPU (profiling/results/h100/attention-host-path.md has the same
-    plan for attention, measured). A launch is planned under launch.py's row-strategy settings of the
+    time than the kernel takes on the GPU (measured beside attention's plans in
+    profiling/results/h100/attention-host-path.md). A launch is planned under launch.py's row-strategy settings of the
     time, as ``row_tile``'s cached answers are: code that changes them empties the table too."""
 
     kernel: object
