@@ -167,8 +167,8 @@ def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, NValid, V, row_stride
     # outside the row, which fails the call once it is queued (_check_target_range).
     target_logit = tl.load(Logits + tl.where(valid & (target >= 0) & (target < V), target, 0)).to(COMPUTE)
     # The mean's 1/n, folded into every term: n counted on the device, so the host never waited for it.
-    # With no valid target every row takes the 0 branch (no 1/0 reaches a result).
-    scale = tl.where(valid, 1.0 / tl.load(NValid).to(COMPUTE), 0.0)
+    # With no valid target every row takes the 0 branch, and max(n, 1) keeps a 1/0 from being computed.
+    scale = tl.where(valid, 1.0 / tl.maximum(tl.load(NValid).to(COMPUTE), 1.0), 0.0)
     tl.store(RowLosses + row, tl.where(valid, (log_sum_exp - target_logit) * scale, 0.0))
     if WRITE_GRADIENT:
         # pass 2: (softmax − onehot(target)) / n over the logits, in place: the gradient matmuls read it there.
