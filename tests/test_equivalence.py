@@ -197,8 +197,11 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
-    # The norms' kept forward launches were planned under the settings before these (layer_norm.launch_norm_fwd).
+    # The norms' kept launches were planned under the settings before these (layer_norm.launch_norm_fwd,
+    # layer_norm_backward.launch_norm_bwd_unchecked).
     monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm"), "_NORM_FORWARD_LAUNCHES",
+                        launch_module.SignatureTable())
+    monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm_backward"), "_NORM_BACKWARD_LAUNCHES",
                         launch_module.SignatureTable())
     try:
         launched = set()

@@ -16,6 +16,8 @@ import torch
 
 import levels
 
+from .helpers import assert_matches_float64_reference, build_pair, make_inputs
+
 pytest.importorskip("triton")
 launch_module = importlib.import_module("triton_kernels.launch")
 import triton  # noqa: E402  (after triton_kernels, which decides whether the interpreter runs)
@@ -295,6 +297,25 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight[:8], bias, 1e-5, True)
     with pytest.raises(RuntimeError, match="bias is \\(16,\\) torch.float64"):
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias.double(), 1e-5, True)
+
+
+def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(monkeypatch):
+    """LayerNorm's and RMSNorm's backward keep the row kernel's launch per signature
+    (layer_norm_backward.launch_norm_bwd_unchecked): a repeat call is not planned again and still matches
+    the float64 reference; the other norm, another shape or another dtype is planned anew."""
+    backward = importlib.import_module("triton_kernels.layer_norm_backward")
+    planned = []
+    plan = backward._plan_norm_bwd_rows
+    monkeypatch.setattr(backward, "_plan_norm_bwd_rows", lambda x, *args: planned.append((x.dtype, *args)) or plan(x, *args))
+    monkeypatch.setattr(backward, "_NORM_BACKWARD_LAUNCHES", backward.SignatureTable())
+    for component in ("layer_norm", "rms_norm"):
+        for dtype in (torch.float32, torch.float64):
+            module, reference = build_pair(component, "triton", {"normalized_shape": 16}, "cpu", dtype)
+            for rows in (4, 4, 64, 64):  # 64 rows: several programs, their partial buffers and the column sums
+                inputs = make_inputs(module, (rows, 16), dtype, "cpu")
+                assert_matches_float64_reference(module, reference, inputs, levels.TOLERANCE[dtype])
+    assert planned == [(dtype, rows, 16, subtract_mean) for subtract_mean in (True, False)
+                       for dtype in (torch.float32, torch.float64) for rows in (4, 64)]
 
 
 def test_attention_backward_plans_a_signature_once_and_a_new_gradient_layout_again(monkeypatch):

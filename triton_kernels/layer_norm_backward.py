@@ -21,11 +21,14 @@ Check
     python -m pytest tests -k "(layer_norm or rms_norm) and triton"
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .launch import (
+    SignatureTable,
     accumulator_dtype,
     cdiv,
     column_reduction_launch,
@@ -112,63 +115,103 @@ def _layer_norm_bwd_dwdb_kernel(PartialDW, PartialDB, DW, DB, n_partials, N,
         tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
 
 
+class NormBackwardLaunch(NamedTuple):
+    """One backward of a norm by the row kernel, but its tensors, for one signature of its inputs: what
+    ``launch_norm_bwd_unchecked`` works out once (tile, programs, kernel arguments) and keeps, as the
+    forward keeps its (layer_norm.NormForwardLaunch), since a model calls each norm's backward with the
+    same signature every step. Planned under launch.py's row-strategy settings of the time: code that
+    changes them empties the table too."""
+
+    grid: tuple[int]
+    rows: int
+    n: int
+    constants: dict
+    reduction: tuple | None  # (grid, constants) of the column reduction; None: one program writes dw, db
+
+    def __call__(self, grad_out, x, weight, mean, rstd):
+        """(grad_x, grad_weight, grad_bias) of inputs of this launch's signature, as
+        ``launch_norm_bwd_unchecked`` returns them."""
+        subtract_mean = mean is not None
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = torch.empty_like(weight) if subtract_mean else None
+        if self.reduction is None:
+            partial_dw, partial_db = grad_weight, grad_bias
+        else:
+            partial_dw = x.new_empty((self.grid[0], self.n), dtype=accumulator_dtype(x.dtype))
+            partial_db = torch.empty_like(partial_dw) if subtract_mean else None
+        # RMSNorm has no mean and no bias: rstd and dw's buffer stand in for the pointers its kernel never reads.
+        mean_in, partial_db_in = (mean, partial_db) if subtract_mean else (rstd, partial_dw)
+        with on_device(x):
+            launch(_layer_norm_bwd_kernel, self.grid, grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
+                   partial_db_in, self.rows, self.n, **self.constants)
+            if self.reduction is not None:
+                _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, self.n, *self.reduction)
+        return grad_x, grad_weight, grad_bias
+
+
+_NORM_BACKWARD_LAUNCHES = SignatureTable()
+
+
 def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                               mean: torch.Tensor | None, rstd: torch.Tensor):
     """The backward of both norms, without checks (see ``triton_kernels/__init__.py``): LayerNorm's
-    (grad_x, grad_weight, grad_bias), or RMSNorm's (grad_x, grad_weight, None) when ``mean`` is None."""
+    (grad_x, grad_weight, grad_bias), or RMSNorm's (grad_x, grad_weight, None) when ``mean`` is None.
+    x, weight and the statistics as the forward saved them, grad_out contiguous. A signature seen
+    before by the row kernel skips its planning: it reads nothing else."""
     subtract_mean = mean is not None
+    signature = (x.shape, x.dtype, x.device, subtract_mean)
+    planned = _NORM_BACKWARD_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(grad_out, x, weight, mean, rstd)
     rows, n = row_matrix("layer_norm_backward" if subtract_mean else "rms_norm_backward", x)
-    grad_x = torch.empty_like(x)
-    grad_weight = torch.empty_like(weight)
-    grad_bias = torch.empty_like(weight) if subtract_mean else None
-    if rows == 0:
-        return grad_x, grad_weight.zero_(), (grad_bias.zero_() if subtract_mean else None)
     # Rows too long for registers: each split across programs, on a cooperative grid in float32 on a GPU
-    # (bfloat16's measured slower there: layer_norm_split.launch_norm_bwd_split says why).
-    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32)
-    if strategy in ("looped", "split", "cooperative"):
+    # (bfloat16's measured slower there: layer_norm_split.launch_norm_bwd_split says why). Unplanned.
+    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32) if rows else None
+    if strategy in (None, "looped", "split", "cooperative"):
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = torch.empty_like(weight) if subtract_mean else None
+        if rows == 0:
+            return grad_x, grad_weight.zero_(), (grad_bias.zero_() if subtract_mean else None)
         partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n,
                                                        cooperative=strategy == "cooperative")
-    else:
-        partials = _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias)
-        if partials is None:  # one program wrote the gradients themselves
-            return grad_x, grad_weight, grad_bias
-        partial_dw, partial_db = partials
-    # RMSNorm has no bias: dw's buffer and gradient stand in for the pointers its kernels never read.
-    programs = partial_dw.shape[0]
-    reduction_programs, block_cols, block_partials = column_reduction_launch(  # ~2 programs per SM
-        n, programs, persistent_program_count(x, n, 2))
-    with on_device(x):
-        launch(_layer_norm_bwd_dwdb_kernel, (reduction_programs,), partial_dw,
-               partial_dw if partial_db is None else partial_db, grad_weight,
-               grad_weight if grad_bias is None else grad_bias, programs, n, BLOCK_PARTIALS=block_partials,
-               BLOCK_COLS=block_cols, HAS_BIAS=subtract_mean, num_warps=4)
-    return grad_x, grad_weight, grad_bias
+        with on_device(x):
+            _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, n,
+                                     *_column_reduction_plan(x, n, partial_dw.shape[0], subtract_mean))
+        return grad_x, grad_weight, grad_bias
+    planned = _NORM_BACKWARD_LAUNCHES.keep(signature, _plan_norm_bwd_rows(x, rows, n, subtract_mean))
+    return planned(grad_out, x, weight, mean, rstd)
 
 
-def _launch_norm_bwd_rows(grad_out, x, weight, mean, rstd, grad_x, rows, n, grad_weight, grad_bias):
-    """dx by the persistent kernel, rows (or tiles of rows) held in registers; returns the (programs, n)
-    partial dw, db buffers (db None for RMSNorm, whose ``mean`` is None), or None when one program took
-    every tile (``ONE_PROGRAM_TILES``) and wrote grad_weight and grad_bias itself."""
-    subtract_mean = mean is not None
+def _plan_norm_bwd_rows(x: torch.Tensor, rows: int, n: int, subtract_mean: bool) -> NormBackwardLaunch:
+    """dx by the persistent kernel, rows (or tiles of rows) held in registers, leaving (programs, n)
+    partial dw, db buffers for the column reduction; or one program that takes every tile
+    (``ONE_PROGRAM_TILES``) and writes grad_weight and grad_bias itself."""
     tile = row_tile(n)
     tiles = cdiv(rows, tile.rows_per_tile)
     one_program = tiles <= ONE_PROGRAM_TILES
-    if one_program:
-        programs, partial_dw, partial_db = 1, grad_weight, grad_bias
-    else:
-        programs_per_sm = max(1, BACKWARD_WARPS_PER_SM // tile.num_warps)
-        programs = persistent_program_count(x, tiles, programs_per_sm)
-        partial_dw = torch.empty(programs, n, dtype=accumulator_dtype(x.dtype), device=x.device)
-        partial_db = torch.empty_like(partial_dw) if subtract_mean else None
-    flags = dict(COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean,
-                 num_warps=tile.num_warps, enable_fp_fusion=False)
+    programs = 1 if one_program else persistent_program_count(
+        x, tiles, max(1, BACKWARD_WARPS_PER_SM // tile.num_warps))
     # enable_fp_fusion=False: dx = dy·w − (x̂·c₁ + c₂) is a cancellation. Contracted into a fused
     # multiply-add, dy·w stays unrounded while c₂ (built from the rounded dy·w) does not, which leaves
     # rounding noise where the exact answer is 0 (rows of one element). The kernel is memory-bound:
     # the separate multiply costs nothing.
-    mean_in, partial_db_in = (mean, partial_db) if subtract_mean else (rstd, partial_dw)  # never read by RMSNorm
-    with on_device(x):
-        launch(_layer_norm_bwd_kernel, (programs,), grad_out, x, weight, mean_in, rstd, grad_x, partial_dw,
-               partial_db_in, rows, n, BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, **flags)
-    return None if one_program else (partial_dw, partial_db)
+    constants = dict(BLOCK_N=tile.block_n, ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute_dtype(x.dtype),
+                     SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps,
+                     enable_fp_fusion=False)
+    return NormBackwardLaunch((programs,), rows, n, constants,
+                              None if one_program else _column_reduction_plan(x, n, programs, subtract_mean))
+
+
+def _column_reduction_plan(x: torch.Tensor, n: int, partial_rows: int, has_bias: bool) -> tuple:
+    """(grid, constants) of the column reduction over (partial_rows, n) buffers: ~2 programs per SM."""
+    programs, block_cols, block_partials = column_reduction_launch(n, partial_rows, persistent_program_count(x, n, 2))
+    return (programs,), dict(BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols, HAS_BIAS=has_bias, num_warps=4)
+
+
+def _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, n: int, grid, constants) -> None:
+    """grad_weight (and grad_bias) as the column sums of the partial buffers (RMSNorm: partial_db and
+    grad_bias None; dw's buffer and gradient stand in for the pointers its kernel never reads)."""
+    launch(_layer_norm_bwd_dwdb_kernel, grid, partial_dw, partial_dw if partial_db is None else partial_db,
+           grad_weight, grad_weight if grad_bias is None else grad_bias, partial_dw.shape[0], n, **constants)
