@@ -318,6 +318,62 @@ def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(mo
                        for dtype in (torch.float32, torch.float64) for rows in (4, 64)]
 
 
+def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_layout_again(monkeypatch):
+    """Level 4's linear and feed-forward launchers, forward and backward, keep their matmuls' launches per
+    signature (feed_forward._LINEAR_FORWARD_LAUNCHES and its three siblings): a repeat call plans nothing
+    (and the forwards check it no more); an input that starts off 16 bytes (which the TMA kernel cannot
+    read), more rows or no bias is planned anew, and every call matches float64."""
+    feed_forward = importlib.import_module("triton_kernels.feed_forward")
+    planned = []
+    plan = feed_forward.plan_matmul
+    monkeypatch.setattr(feed_forward, "plan_matmul", lambda a, b, out, epilogue="none", *tensors, **named:
+                        planned.append(epilogue) or plan(a, b, out, epilogue, *tensors, **named))
+    for table in ("_LINEAR_FORWARD_LAUNCHES", "_FEED_FORWARD_FORWARD_LAUNCHES", "_LINEAR_BACKWARD_LAUNCHES",
+                  "_FEED_FORWARD_BACKWARD_LAUNCHES"):
+        monkeypatch.setattr(feed_forward, table, feed_forward.SignatureTable())
+    weight, bias = torch.randn(24, 16), torch.randn(24)
+    off_16_bytes = torch.randn(5 * 16 + 1)[1:].view(5, 16)  # 4 bytes past an aligned start
+    for x, w, b in ((torch.randn(5, 16), weight, bias), (torch.randn(5, 16), weight, bias),
+                    (off_16_bytes, weight, bias), (torch.randn(7, 16), weight, bias),
+                    (torch.randn(5, 16), weight, None)):
+        expected = x.double() @ w.double().t() + (0 if b is None else b.double())
+        torch.testing.assert_close(feed_forward.launch_linear_fwd(x, w, b), expected.float())
+    assert len(planned) == 4  # the repeat planned nothing
+    proj_weight, proj_bias = torch.randn(16, 24), torch.randn(16)
+    planned.clear()
+    for save in (True, True, False, False):
+        x = torch.randn(5, 16)
+        out, pre_activation, activation = feed_forward.launch_feed_forward_fwd(x, weight, bias, proj_weight, proj_bias,
+                                                                                save_for_backward=save)
+        hidden = x.double() @ weight.double().t() + bias.double()
+        expected = torch.nn.functional.gelu(hidden, approximate="tanh") @ proj_weight.double().t() + proj_bias.double()
+        torch.testing.assert_close(out, expected.float())
+        assert (pre_activation is not None) == save
+    assert planned == ["gelu_saving_pre_activation", "none", "gelu", "none"]
+    planned.clear()
+    for has_bias in (True, True, False):  # the backwards: a repeat plans nothing; without biases, anew
+        x, grad_out = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 24, dtype=torch.float64)
+        w = weight.double()
+        grads = feed_forward.launch_linear_bwd_unchecked(grad_out, x, w, has_bias)
+        for got, expected in zip(grads, (grad_out @ w, grad_out.t() @ x, grad_out.sum(0) if has_bias else None)):
+            assert (got is None) == (expected is None) and (got is None or torch.allclose(got, expected))
+    assert planned == ["none", "none"] * 2
+    planned.clear()
+    for has_bias in (True, True, False):
+        x, grad_out, fc_w, proj_w = (torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64),
+                                     weight.double(), proj_weight.double())
+        h = x @ fc_w.t()
+        a = torch.nn.functional.gelu(h, approximate="tanh")
+        grads = feed_forward.launch_feed_forward_bwd_unchecked(grad_out, x, fc_w, proj_w, h, a, has_bias)
+        h_ = h.clone().requires_grad_()
+        torch.nn.functional.gelu(h_, approximate="tanh").backward(grad_out @ proj_w)
+        expected = (h_.grad @ fc_w, h_.grad.t() @ x, h_.grad.sum(0) if has_bias else None, grad_out.t() @ a,
+                    grad_out.sum(0) if has_bias else None)
+        for got, wanted in zip(grads, expected):
+            assert (got is None) == (wanted is None) and (got is None or torch.allclose(got, wanted))
+    assert planned == ["gelu_backward", "none", "none", "none"] * 2
+
+
 def test_attention_backward_plans_a_signature_once_and_a_new_gradient_layout_again(monkeypatch):
     attention_backward = importlib.import_module("triton_kernels.attention_backward")
     planned = []

@@ -66,11 +66,13 @@ Check
     python -m profiling --component feed_forward --shape 8192 768 --dtype bfloat16 --backward
 """
 
+from typing import NamedTuple
+
 import torch
 
 from .eager import EagerFunction
-from .launch import check_contiguous, check_inputs, require
-from .matmul import Epilogue, launch_column_sum, launch_matmul
+from .launch import SignatureTable, check_contiguous, check_inputs, require
+from .matmul import Epilogue, MatmulLaunch, launch_column_sum, launch_matmul, plan_matmul
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -143,10 +145,35 @@ def _check_feed_forward_backward_shapes(grad_out, x, fc_weight, proj_weight, pre
 # --- launchers ----------------------------------------------------------------------------------------
 
 
+def _signature(*tensors) -> tuple:
+    """What a launcher's checks and its matmuls' plans read of its tensors: shape, strides, dtype, device,
+    and where the data starts within 16 bytes (the TMA kernel reads only operands that start on 16 bytes)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors)
+
+
+# A model calls each projection and feed-forward with the same signature step after step, and at a decode
+# step's sizes the checks and the matmuls' planning cost the host more than the launches themselves. So each
+# launcher below keeps its matmuls' launches (matmul.MatmulLaunch) per signature, once the autotuner has
+# chosen their tiles, and a signature seen before skips the checks and the planning: they read nothing else.
+# The weights go to a kept launch as they are, for their transposes: it holds the strides, and the
+# pointer is the same. Empty products stay unplanned, and so do the backwards of transposed weights (a
+# Conv1D's), whose weight gradients take another path (``_weight_gradients``).
+_LINEAR_FORWARD_LAUNCHES = SignatureTable()
+
+
 def launch_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    signature = _signature(x, weight, bias)
+    planned = _LINEAR_FORWARD_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(x, weight, x.new_empty((x.shape[0], weight.shape[0])), bias)
     _check_linear_shapes("linear_forward", x, weight, bias)
     check_inputs("linear_forward", *(t for t in (x, weight, bias) if t is not None))
-    return launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias)
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    if out.numel():
+        planned = plan_matmul(x, weight.t(), out, Epilogue.NONE, bias)
+        if planned is not None:  # else the autotuner has yet to choose this matmul's tile
+            return _LINEAR_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, out, bias)
+    return launch_matmul(x, weight.t(), Epilogue.NONE, bias=bias, out=out)
 
 
 def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
@@ -155,26 +182,82 @@ def launch_linear_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return launch_linear_bwd_unchecked(grad_out, x, weight)
 
 
+class LinearBackwardLaunch(NamedTuple):
+    """The linear backward's two matmul launches for one signature (see _LINEAR_FORWARD_LAUNCHES)."""
+
+    grad_x: MatmulLaunch  # grad_out·W
+    grad_weight: MatmulLaunch  # grad_outᵀ·x, and Σ_tokens grad_out as its row sums
+    has_bias: bool
+
+    def __call__(self, grad_out, x, weight):
+        grad_bias = grad_out.new_empty(grad_out.shape[1]) if self.has_bias else None
+        return (self.grad_x(grad_out, weight, x.new_empty(x.shape)),
+                self.grad_weight(grad_out, x, weight.new_empty(weight.shape), row_sums=grad_bias), grad_bias)
+
+
+_LINEAR_BACKWARD_LAUNCHES = SignatureTable()
+
+
 def launch_linear_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                 has_bias: bool = True):
     """``launch_linear_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
     which passes ``has_bias`` (without a bias, the gradient comes back None and is never summed)."""
+    signature = (has_bias, *_signature(grad_out, x, weight))
+    planned = _LINEAR_BACKWARD_LAUNCHES.get(signature)
+    if planned is None and x.numel() and grad_out.numel() and not _is_transposed(weight):
+        grad_x = plan_matmul(grad_out, weight, x.new_empty(x.shape))
+        grad_weight = plan_matmul(grad_out.t(), x, weight.new_empty(weight.shape),
+                                  row_sums=grad_out.new_empty(grad_out.shape[1]) if has_bias else None)
+        if grad_x is not None and grad_weight is not None:  # else the autotuner has yet to choose a tile
+            planned = _LINEAR_BACKWARD_LAUNCHES.keep(signature, LinearBackwardLaunch(grad_x, grad_weight, has_bias))
+    if planned is not None:
+        return planned(grad_out, x, weight)
     return launch_matmul(grad_out, weight), *_weight_gradients(grad_out, x, weight, has_bias)
+
+
+class FeedForwardForwardLaunch(NamedTuple):
+    """The feed-forward forward's two matmul launches for one signature (see _LINEAR_FORWARD_LAUNCHES)."""
+
+    fc: MatmulLaunch
+    proj: MatmulLaunch
+    hidden_shape: tuple[int, int]
+    out_shape: tuple[int, int]
+    save_for_backward: bool
+
+    def __call__(self, x, fc_weight, fc_bias, proj_weight, proj_bias):
+        activation = x.new_empty(self.hidden_shape)
+        pre_activation = x.new_empty(self.hidden_shape) if self.save_for_backward else None
+        self.fc(x, fc_weight, activation, fc_bias, pre_activation)
+        return self.proj(activation, proj_weight, x.new_empty(self.out_shape), proj_bias), pre_activation, activation
+
+
+_FEED_FORWARD_FORWARD_LAUNCHES = SignatureTable()
 
 
 def launch_feed_forward_fwd(x, fc_weight, fc_bias, proj_weight, proj_bias, save_for_backward: bool = True):
     """(out, pre_activation, activation); without ``save_for_backward`` only the activation is written
     and (out, None, activation) comes back: the GELU epilogue then skips h's 50 MB at GPT-2 size."""
+    signature = (save_for_backward, *_signature(x, fc_weight, fc_bias, proj_weight, proj_bias))
+    planned = _FEED_FORWARD_FORWARD_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(x, fc_weight, fc_bias, proj_weight, proj_bias)
     _check_feed_forward_shapes("feed_forward_forward", x, fc_weight, fc_bias, proj_weight, proj_bias)
     check_inputs("feed_forward_forward", *(t for t in (x, fc_weight, fc_bias, proj_weight, proj_bias) if t is not None))
-    pre_activation = None
-    if save_for_backward:
-        pre_activation = x.new_empty((x.shape[0], fc_weight.shape[0]))
-        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU_SAVING_PRE_ACTIVATION, bias=fc_bias,
-                                    pre_activation=pre_activation)
-    else:
-        activation = launch_matmul(x, fc_weight.t(), Epilogue.GELU, bias=fc_bias)
-    return launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias), pre_activation, activation
+    hidden_shape = (x.shape[0], fc_weight.shape[0])
+    activation = x.new_empty(hidden_shape)
+    pre_activation = x.new_empty(hidden_shape) if save_for_backward else None
+    out = x.new_empty((x.shape[0], proj_weight.shape[0]))
+    fc_epilogue = Epilogue.GELU_SAVING_PRE_ACTIVATION if save_for_backward else Epilogue.GELU
+    if activation.numel() and out.numel():
+        fc = plan_matmul(x, fc_weight.t(), activation, fc_epilogue, fc_bias, pre_activation)
+        proj = plan_matmul(activation, proj_weight.t(), out, Epilogue.NONE, proj_bias)
+        if fc is not None and proj is not None:  # else the autotuner has yet to choose a tile
+            _FEED_FORWARD_FORWARD_LAUNCHES.keep(
+                signature, FeedForwardForwardLaunch(fc, proj, hidden_shape, tuple(out.shape), save_for_backward))
+            fc(x, fc_weight, activation, fc_bias, pre_activation)
+            return proj(activation, proj_weight, out, proj_bias), pre_activation, activation
+    launch_matmul(x, fc_weight.t(), fc_epilogue, bias=fc_bias, pre_activation=pre_activation, out=activation)
+    return launch_matmul(activation, proj_weight.t(), Epilogue.NONE, bias=proj_bias, out=out), pre_activation, activation
 
 
 def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation, activation):
@@ -184,10 +267,51 @@ def launch_feed_forward_bwd(grad_out, x, fc_weight, proj_weight, pre_activation,
     return launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
 
 
+class FeedForwardBackwardLaunch(NamedTuple):
+    """The feed-forward backward's four matmul launches for one signature (see _LINEAR_FORWARD_LAUNCHES)."""
+
+    grad_pre_activation: MatmulLaunch  # grad_out·W_proj · gelu'(h)
+    grad_x: MatmulLaunch  # grad_h·W_fc
+    grad_fc_weight: MatmulLaunch  # grad_hᵀ·x, and the fc bias's gradient as its row sums
+    grad_proj_weight: MatmulLaunch  # grad_outᵀ·a, and the proj bias's gradient as its row sums
+    has_bias: bool
+
+    def __call__(self, grad_out, x, fc_weight, proj_weight, pre_activation, activation):
+        grad_h = self.grad_pre_activation(grad_out, proj_weight, pre_activation.new_empty(pre_activation.shape),
+                                          pre_activation=pre_activation)
+        grad_fc_bias = grad_h.new_empty(grad_h.shape[1]) if self.has_bias else None
+        grad_proj_bias = grad_out.new_empty(grad_out.shape[1]) if self.has_bias else None
+        return (self.grad_x(grad_h, fc_weight, x.new_empty(x.shape)),
+                self.grad_fc_weight(grad_h, x, fc_weight.new_empty(fc_weight.shape), row_sums=grad_fc_bias),
+                grad_fc_bias,
+                self.grad_proj_weight(grad_out, activation, proj_weight.new_empty(proj_weight.shape),
+                                      row_sums=grad_proj_bias),
+                grad_proj_bias)
+
+
+_FEED_FORWARD_BACKWARD_LAUNCHES = SignatureTable()
+
+
 def launch_feed_forward_bwd_unchecked(grad_out, x, fc_weight, proj_weight, pre_activation, activation,
                                       has_bias: bool = True):
     """``launch_feed_forward_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``),
     which passes ``has_bias`` (without biases, their gradients come back None and are never summed)."""
+    signature = (has_bias, *_signature(grad_out, x, fc_weight, proj_weight, pre_activation, activation))
+    planned = _FEED_FORWARD_BACKWARD_LAUNCHES.get(signature)
+    if (planned is None and x.numel() and grad_out.numel() and activation.numel()
+            and not (_is_transposed(fc_weight) or _is_transposed(proj_weight))):
+        grad_h = pre_activation.new_empty(pre_activation.shape)
+        matmuls = (
+            plan_matmul(grad_out, proj_weight, grad_h, Epilogue.GELU_BACKWARD, pre_activation=pre_activation),
+            plan_matmul(grad_h, fc_weight, x.new_empty(x.shape)),
+            plan_matmul(grad_h.t(), x, fc_weight.new_empty(fc_weight.shape),
+                        row_sums=grad_h.new_empty(grad_h.shape[1]) if has_bias else None),
+            plan_matmul(grad_out.t(), activation, proj_weight.new_empty(proj_weight.shape),
+                        row_sums=grad_out.new_empty(grad_out.shape[1]) if has_bias else None))
+        if None not in matmuls:  # else the autotuner has yet to choose a tile
+            planned = _FEED_FORWARD_BACKWARD_LAUNCHES.keep(signature, FeedForwardBackwardLaunch(*matmuls, has_bias))
+    if planned is not None:
+        return planned(grad_out, x, fc_weight, proj_weight, pre_activation, activation)
     grad_pre_activation = launch_matmul(grad_out, proj_weight, Epilogue.GELU_BACKWARD, pre_activation=pre_activation)
     return (launch_matmul(grad_pre_activation, fc_weight),
             *_weight_gradients(grad_pre_activation, x, fc_weight, has_bias),

@@ -37,7 +37,9 @@ Launch
     ``_tma_operands`` chooses), once per shape, layout, epilogue and dtype, timing only the tiles
     ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE untimed.
     The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice directly, as
-    every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). float32
+    every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). Each call's
+    decisions make one ``MatmulLaunch`` (``plan_matmul``), which the launchers of feed_forward.py keep per
+    signature of their inputs, so that a model's repeat calls only allocate and launch. float32
     (exact "ieee" products on the CUDA cores: TF32's 10-bit mantissa would miss float32's tolerance) and
     float64 (double-precision tensor cores) use WIDE_FLOAT_TILE, and Triton's CPU interpreter
     INTERPRETER_TILE: tuning there would time every candidate in a slow simulation. ``_tile_choice`` is
@@ -455,6 +457,62 @@ def _tile_of(config: triton.Config) -> MatmulTile:
                       config.num_stages)
 
 
+class MatmulLaunch(NamedTuple):
+    """One matmul's launch but its tensors: what ``plan_matmul`` decides from the operands' shapes,
+    strides, dtypes and alignment (kernel, tile, grid, scalars), so that a caller that sees the same
+    signature again (a model's projections, step after step) can keep it and only launch."""
+
+    kernel: object
+    grid: tuple[int]
+    scalars: tuple  # the kernel's arguments after its tensors
+    constants: dict
+    tma: bool  # the TMA kernel, which takes no pre-activation or row sums
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                 pre_activation: torch.Tensor | None = None, row_sums: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` ← A·B through the planned epilogue. ``b`` may be any tensor with B's data pointer and
+        dtype (a weight, for its transpose): the plan holds B's strides."""
+        if self.tma:
+            # The descriptors' memory comes from this allocator, which Triton keeps per thread (a context
+            # variable): autograd runs backward matmuls on a thread of its own, so each launch sets it.
+            triton.set_allocator(_descriptor_scratch)
+            tensors = (a, b, out, bias)
+        else:
+            tensors = (a, b, out, bias, pre_activation, row_sums)
+        with on_device(a):
+            launch(self.kernel, self.grid, *tensors, *self.scalars, **self.constants)
+        return out
+
+
+def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: str = Epilogue.NONE,
+                bias: torch.Tensor | None = None, pre_activation: torch.Tensor | None = None,
+                row_sums: torch.Tensor | None = None) -> MatmulLaunch | None:
+    """The launch of ``launch_matmul`` for these operands (M, N > 0), or None while the autotuner has
+    yet to choose a tile for them (``launch_matmul``'s first call with their key asks it)."""
+    (M, K), N = a.shape, b.shape[1]
+    tile = _tile_choice(a.dtype, M * N * K)
+    tma = _tma_operands(a, b, tile, epilogue, row_sums)
+    b_transposed = None if tma is None else tma.b_transposed
+    flags = (bias is not None, pre_activation is not None, row_sums is not None)
+    if tile is None:
+        tile = _tuned_tiles.get(_autotune_key(a, b, out, epilogue, b_transposed, *flags))
+        if tile is None:
+            return None
+    if tma is None:
+        kernel, scalars = _matmul_kernel, (M, N, K, *a.stride(), *b.stride(), out.stride(0))
+    else:
+        kernel, scalars = _matmul_tma_kernel, (M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
+    return MatmulLaunch(kernel, _grid(a, M, N, tile.block_m, tile.block_n, tma is not None), scalars,
+                        _matmul_constants(epilogue, flags[0], flags[2], a.dtype, tile, b_transposed),
+                        tma is not None)
+
+
+def _autotune_key(a, b, out, epilogue, b_transposed, has_bias, has_pre_activation, has_row_sums) -> tuple:
+    """The autotuner's own key: what it times candidates for, and what makes its choice differ."""
+    return (*a.shape, b.shape[1], *a.stride(), *b.stride(), b_transposed, epilogue, a.dtype, out.dtype, has_bias,
+            has_pre_activation, has_row_sums)
+
+
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NONE, bias: torch.Tensor | None = None,
                   pre_activation: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   row_sums: torch.Tensor | None = None) -> torch.Tensor:
@@ -478,33 +536,23 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         if row_sums is not None:
             row_sums.zero_()  # an empty sum
         return out
-    tile = _tile_choice(a.dtype, M * N * K)
-    tma = _tma_operands(a, b, tile, epilogue, row_sums)
-    if tma is None:
-        kernel, autotuned = _matmul_kernel, _matmul_autotuned
-        args = (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(), *b.stride(), out.stride(0))
-    else:
-        kernel, autotuned = _matmul_tma_kernel, _matmul_tma_autotuned
-        args = (a, b, out, bias, M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
-        # The descriptors' memory comes from this allocator, which Triton keeps per thread (a context
-        # variable): autograd runs backward matmuls on a thread of its own, so each launch sets it.
-        triton.set_allocator(_descriptor_scratch)
+    planned = plan_matmul(a, b, out, epilogue, bias, pre_activation, row_sums)
+    if planned is not None:
+        return planned(a, b, out, bias, pre_activation, row_sums)
+    # The key's first call: the autotuner times the candidates, launches the best and is asked no more.
+    flags = (bias is not None, pre_activation is not None, row_sums is not None)
+    tma = _tma_operands(a, b, None, epilogue, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
-    if tile is None:
-        # The autotuner's own key: what it times candidates for, and what makes its choice differ.
-        key = (M, N, K, *a.stride(), *b.stride(), b_transposed, epilogue, a.dtype, out.dtype, bias is not None,
-               pre_activation is not None, row_sums is not None)
-        tile = _tuned_tiles.get(key)
-        if tile is None:
-            constants = _matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, None, b_transposed)
-            with on_device(a):
-                launch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None), *args,
-                       **constants)
-            _tuned_tiles[key] = _tile_of(autotuned.best_config)
-            return out
+    if tma is None:
+        autotuned, args = _matmul_autotuned, (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(),
+                                              *b.stride(), out.stride(0))
+    else:
+        triton.set_allocator(_descriptor_scratch)  # as MatmulLaunch says
+        autotuned, args = _matmul_tma_autotuned, (a, b, out, bias, M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
     with on_device(a):
-        launch(kernel, _grid(a, M, N, tile.block_m, tile.block_n, tma is not None), *args,
-               **_matmul_constants(epilogue, bias is not None, row_sums is not None, a.dtype, tile, b_transposed))
+        launch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None), *args,
+               **_matmul_constants(epilogue, flags[0], flags[2], a.dtype, None, b_transposed))
+    _tuned_tiles[_autotune_key(a, b, out, epilogue, b_transposed, *flags)] = _tile_of(autotuned.best_config)
     return out
 
 
