@@ -303,13 +303,17 @@ class _AttentionKernel(AttentionSpec):
     autograd."""
 
     def check_inputs(self, q, k, v):
-        # A training or decode loop calls with one signature every time. The checks read nothing else,
-        # so a signature that passed once passes again: the next call compares it and goes on
-        # (profiling/results/h100/attention-host-path.md).
-        signature = ((q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        # A training loop calls with one signature every time, a decode loop over a growing KV cache with
+        # one whose key length grows by a token a step. The checks read nothing else, so a signature that
+        # passed once passes again if its key lengths still agree (and, causal, still cover the queries):
+        # the next call compares it and goes on (profiling/results/h100/attention-host-path.md). k.shape[:2]
+        # and [3:] are all of the shape but the key length, and a k of another rank never matches.
+        signature = ((q.shape, k.shape[:2], k.shape[3:], v.shape[:2], v.shape[3:], q.dtype, k.dtype, v.dtype,
+                      q.device, k.device, v.device)
                      if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
                      else None)
-        if signature is not None and signature == self.__dict__.get("_signature_passed"):
+        if (signature is not None and signature == self.__dict__.get("_signature_passed")
+                and k.shape[2] == v.shape[2] and (not self.causal or q.shape[2] <= k.shape[2])):
             return
         super().check_inputs(q, k, v)
         if not attention_head_dim_supported(q.shape[-1]):

@@ -261,12 +261,50 @@ def test_attention_forward_checks_and_plans_a_signature_once_and_every_new_one_a
         q, odd_view.contiguous(), v, False, 0, 0.25)[0])
 
 
+def test_attention_forward_serves_a_growing_kv_cache_from_one_plan(monkeypatch):
+    """A decode loop's keys and values grow by a token a step: only the key length and the k, v strides
+    change, and attention_forward.forward_launch fills them into the plan it kept instead of checking and
+    planning again. Every step matches float64; a step whose k and v disagree, or a causal step with fewer
+    keys than queries, is checked in full and refused."""
+    attention_forward = importlib.import_module("triton_kernels.attention_forward")
+    checked = []
+    check = attention_forward.checked_readable_inputs
+    monkeypatch.setattr(attention_forward, "checked_readable_inputs",
+                        lambda *args: checked.append(args[1].shape[2]) or check(*args))
+    for table in ("_FORWARD_LAUNCHES", "_GROWING_KEYS_LAUNCHES"):
+        monkeypatch.setattr(attention_forward, table, attention_forward.SignatureTable())
+    q = torch.randn(1, 2, 1, 16)
+    keys, values = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    for _ in range(4):  # the cache grows as GrowingCacheDecoder's does: concatenated, contiguous
+        keys, values = torch.cat((keys, torch.randn(1, 2, 1, 16)), 2), torch.cat((values, torch.randn(1, 2, 1, 16)), 2)
+        out, _ = attention_forward.launch_attention_fwd(q, keys, values, True, 0, 0.25)
+        # One query, aligned to the end of the keys, sees them all.
+        expected = torch.softmax(q.double() @ keys.double().transpose(2, 3) * 0.25, -1) @ values.double()
+        assert levels.relative_max_error(out, expected) <= levels.TOLERANCE[torch.float32]
+    assert checked == [6]  # planned at the first step only
+    with pytest.raises(RuntimeError, match="shapes do not fit together"):
+        attention_forward.launch_attention_fwd(q, keys, values[:, :, :-1], True, 0, 0.25)
+    with pytest.raises(RuntimeError, match="causal attention with 3 queries but only 2 keys"):
+        q3 = torch.randn(1, 2, 3, 16)
+        attention_forward.launch_attention_fwd(q3, keys, values, True, 0, 0.25)  # plans (1, 2, 3, 16)
+        attention_forward.launch_attention_fwd(q3, keys[:, :, :2], values[:, :, :2], True, 0, 0.25)
+
+
 def test_a_level_checks_each_new_attention_signature_after_one_has_passed():
     """Levels 4 and 5 keep the last signature of (q, k, v) that passed their checks, and compare the next
-    call's to it: a call whose shapes, dtypes or devices differ is checked in full."""
+    call's to it: a call whose shapes, dtypes or devices differ is checked in full. A key length that grows
+    passes without (a decode loop's KV cache), unless k and v disagree on it or it falls short of causal
+    attention's queries."""
     attention = levels.build("attention", "triton", causal=True)
     q = torch.randn(1, 2, 8, 16)
     attention(q, q, q)
+    grown = torch.randn(1, 2, 9, 16)
+    expected = levels.build("attention", "native", causal=True)(*(t.double() for t in (q, grown, grown)))
+    assert levels.relative_max_error(attention(q, grown, grown), expected) <= levels.TOLERANCE[torch.float32]
+    with pytest.raises(ValueError, match="shapes do not fit together"):
+        attention(q, grown, torch.randn(1, 2, 10, 16))
+    with pytest.raises(ValueError, match="causal attention with 8 queries but only 4 keys"):
+        attention(q, q[:, :, :4], q[:, :, :4])
     with pytest.raises(ValueError, match="shapes do not fit together"):
         attention(q, q, torch.randn(1, 2, 8, 8))
     with pytest.raises(TypeError, match="q, k and v must share dtype"):

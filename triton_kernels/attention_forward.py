@@ -284,22 +284,40 @@ class ForwardLaunch(NamedTuple):
 
 
 _FORWARD_LAUNCHES = SignatureTable()
+_GROWING_KEYS_LAUNCHES = SignatureTable()
+"""Plans for a decode loop over a growing KV cache, keyed on all of the signature but the key length and the
+k and v strides: those change at every step, as the cache grows by a token, and only they do. A kept plan
+serves the next step with them filled in (``_forward_scalars``), after the checks that read them."""
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardLaunch]:
     """(q, k, v, launch): the operands as the kernel reads them, checked and made readable
     (``checked_readable_inputs``), and the ``ForwardLaunch`` of their signature. A signature seen before
-    whose operands were read where they lie skips the checks: they read nothing but the signature."""
+    whose operands were read where they lie skips the checks: they read nothing but the signature. So does
+    one that differs from such a signature only in its key length and the k and v strides (a growing KV
+    cache), but for the checks that read those."""
     signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                  q.device, k.device, v.device, causal, window, scale)
     known = _FORWARD_LAUNCHES.get(signature)
     if known is not None:
         return q, k, v, known
+    # k.shape[:2] and [3:]: all but the key length, and a k of another rank never matches.
+    growing_keys = (q.shape, q.stride(), k.shape[:2], k.shape[3:], v.shape[:2], v.shape[3:], q.dtype, k.dtype,
+                    v.dtype, q.device, k.device, v.device, causal, window, scale)
+    grown = _GROWING_KEYS_LAUNCHES.get(growing_keys)
+    key_length = k.shape[2] if grown is not None else 0
+    if (grown is not None and v.shape[2] == key_length and key_length >= (q.shape[2] if causal else 1)
+            and readable(k) is k and readable(v) is v):
+        # Kept under this step's own signature too: every layer of a model attends with the same one.
+        return q, k, v, _FORWARD_LAUNCHES.keep(
+            signature, grown._replace(scalars=_forward_scalars(q, k, v, window, scale, grown.out_stride)))
     read_q, read_k, read_v = checked_readable_inputs(q, k, v, causal, window)
     known = _plan_forward(read_q, read_k, read_v, causal, window, scale)
     if read_q is q and read_k is k and read_v is v:
         _FORWARD_LAUNCHES.keep(signature, known)
+        if known.programs:
+            _GROWING_KEYS_LAUNCHES.keep(growing_keys, known)
     return read_q, read_k, read_v, known
 
 
@@ -316,12 +334,19 @@ def _plan_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         programs=cdiv(query_length, tile.block_m) * batch * heads,
         out_stride=out_stride,
         lse_dtype=lse_dtype,
-        scalars=(query_length, key_length, heads, heads // k.shape[1], window, *split_float(scale),
-                 *head_strides(q), *head_strides(k), *head_strides(v), *row_strides(q.shape, out_stride)),
+        scalars=_forward_scalars(q, k, v, window, scale, out_stride),
         constants=dict(HEAD_DIM=head_dim, BLOCK_D=block_d, REST_D=rest_d, BLOCK_M=tile.block_m,
                        BLOCK_N=tile.block_n, CAUSAL=causal, WINDOWED=causal and window > 0,
                        COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_input_precision(q.dtype),
                        num_warps=tile.num_warps, num_stages=tile.num_stages))
+
+
+def _forward_scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
+                     out_stride: tuple[int, ...]) -> tuple:
+    """The kernel's arguments after its five tensors, for readable q, k, v."""
+    heads = q.shape[1]
+    return (q.shape[2], k.shape[2], heads, heads // k.shape[1], window, *split_float(scale), *head_strides(q),
+            *head_strides(k), *head_strides(v), *row_strides(q.shape, out_stride))
 
 
 def launch_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int,
