@@ -306,8 +306,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     growing_keys = (q.shape, q.stride(), k.shape[:2], k.shape[3:], v.shape[:2], v.shape[3:], q.dtype, k.dtype,
                     v.dtype, q.device, k.device, v.device, causal, window, scale)
     grown = _GROWING_KEYS_LAUNCHES.get(growing_keys)
-    key_length = k.shape[2] if grown is not None else 0
-    if (grown is not None and v.shape[2] == key_length and key_length >= (q.shape[2] if causal else 1)
+    if (grown is not None and v.shape[2] == k.shape[2] >= (q.shape[2] if causal else 1)
             and readable(k) is k and readable(v) is v):
         # Kept under this step's own signature too: every layer of a model attends with the same one.
         return q, k, v, _FORWARD_LAUNCHES.keep(

@@ -463,7 +463,7 @@ class MatmulLaunch(NamedTuple):
     signature again (a model's projections, step after step) can keep it and only launch."""
 
     kernel: object
-    grid: tuple[int]
+    grid: tuple[int]  # or, for an autotuned kernel, a function of the chosen tile's meta-parameters
     scalars: tuple  # the kernel's arguments after its tensors
     constants: dict
     tma: bool  # the TMA kernel, which takes no pre-activation or row sums
@@ -498,13 +498,19 @@ def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: s
         tile = _tuned_tiles.get(_autotune_key(a, b, out, epilogue, b_transposed, *flags))
         if tile is None:
             return None
-    if tma is None:
-        kernel, scalars = _matmul_kernel, (M, N, K, *a.stride(), *b.stride(), out.stride(0))
-    else:
-        kernel, scalars = _matmul_tma_kernel, (M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
-    return MatmulLaunch(kernel, _grid(a, M, N, tile.block_m, tile.block_n, tma is not None), scalars,
+    return MatmulLaunch(_matmul_kernel if tma is None else _matmul_tma_kernel,
+                        _grid(a, M, N, tile.block_m, tile.block_n, tma is not None), _matmul_scalars(a, b, out, tma),
                         _matmul_constants(epilogue, flags[0], flags[2], a.dtype, tile, b_transposed),
                         tma is not None)
+
+
+def _matmul_scalars(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tma: _TmaOperands | None) -> tuple:
+    """The arguments after the tensors: of ``_matmul_kernel`` (and its autotuned twin), or with ``tma`` of
+    ``_matmul_tma_kernel``."""
+    (M, K), N = a.shape, b.shape[1]
+    if tma is None:
+        return M, N, K, *a.stride(), *b.stride(), out.stride(0)
+    return M, N, K, tma.stride_a, tma.stride_b, out.stride(0)
 
 
 def _autotune_key(a, b, out, epilogue, b_transposed, has_bias, has_pre_activation, has_row_sums) -> tuple:
@@ -543,15 +549,11 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
     tma = _tma_operands(a, b, None, epilogue, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
-    if tma is None:
-        autotuned, args = _matmul_autotuned, (a, b, out, bias, pre_activation, row_sums, M, N, K, *a.stride(),
-                                              *b.stride(), out.stride(0))
-    else:
-        triton.set_allocator(_descriptor_scratch)  # as MatmulLaunch says
-        autotuned, args = _matmul_tma_autotuned, (a, b, out, bias, M, N, K, tma.stride_a, tma.stride_b, out.stride(0))
-    with on_device(a):
-        launch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None), *args,
-               **_matmul_constants(epilogue, flags[0], flags[2], a.dtype, None, b_transposed))
+    autotuned = _matmul_autotuned if tma is None else _matmul_tma_autotuned
+    MatmulLaunch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None),
+                 _matmul_scalars(a, b, out, tma), _matmul_constants(epilogue, flags[0], flags[2], a.dtype, None,
+                                                                    b_transposed),
+                 tma is not None)(a, b, out, bias, pre_activation, row_sums)
     _tuned_tiles[_autotune_key(a, b, out, epilogue, b_transposed, *flags)] = _tile_of(autotuned.best_config)
     return out
 
