@@ -1,6 +1,7 @@
 """The two components a training step adds to the blocks: the LM head fused with its loss
 (``linear_cross_entropy``) and the optimizer (``build_optimizer``: AdamW), at every level."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -168,6 +169,115 @@ def test_adamw_level_1_is_torch_optim_adamw():
         optimizer.step()
     for actual, wanted in zip(params, reference):
         assert relative_max_error(actual, wanted) <= TOLERANCE[torch.float64]
+
+
+# Level 4 steps from a plan after its first step (levels/optimizer.py, AdamWTriton); each of these, done
+# between two steps, must send the next one through the general step, which plans again.
+def _replace_a_parameters_storage(optimizer, params, extra):
+    params[0].data = params[0].data.clone()
+
+
+def _replace_a_moment(optimizer, params, extra):
+    optimizer.state[params[1]]["exp_avg"] = optimizer.state[params[1]]["exp_avg"].clone()
+
+
+def _reset_a_parameters_state(optimizer, params, extra):
+    optimizer.state[params[2]] = {}
+
+
+def _edit_a_step_count(optimizer, params, extra):
+    optimizer.state[params[0]]["step"] += 4
+
+
+def _reload_the_state(optimizer, params, extra):
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+def _add_a_parameter_group(optimizer, params, extra):
+    optimizer.add_param_group({"params": [extra]})
+
+
+def _append_a_parameter_to_a_group(optimizer, params, extra):
+    optimizer.param_groups[0]["params"].append(extra)
+
+
+def _halve_the_learning_rate(optimizer, params, extra):
+    for group in optimizer.param_groups:
+        group["lr"] /= 2
+
+
+PLAN_DISRUPTIONS = {  # what is done; how many general steps a run then takes (the first one included)
+    "a parameter's storage replaced": (_replace_a_parameters_storage, 2),
+    "a moment replaced": (_replace_a_moment, 2),
+    "load_state_dict": (_reload_the_state, 2),
+    "a parameter group added": (_add_a_parameter_group, 2),
+    "a gradient lost": (None, 2),
+    "the learning rate halved": (_halve_the_learning_rate, 1),  # read from the group at every step
+    # Parameters at different step counts are stepped apart by the general step, from then on.
+    "a parameter's state reset": (_reset_a_parameters_state, 4),
+    "a step count edited": (_edit_a_step_count, 4),
+    "a gradient gained": (None, 4),
+    "a parameter appended to a group": (_append_a_parameter_to_a_group, 4),
+}
+def run_disrupted_steps(level, disruption, dtype=torch.float32, steps=5, disrupt_before=3):
+    """``steps`` AdamW steps at ``level`` on fixed random gradients, ``disruption`` done before step
+    ``disrupt_before``. Returns the parameters, the optimizer and how many steps took the general path."""
+    generator = torch.Generator().manual_seed(0)
+    device = level_devices(level)[0]
+    params = [torch.nn.Parameter(torch.randn(size, generator=generator, dtype=dtype).to(device)) for size in SIZES]
+    extra = torch.nn.Parameter(torch.randn(7, generator=generator, dtype=dtype).to(device))
+    optimizer = levels.build_optimizer(level, params, **HYPERPARAMETERS)
+    updates = []  # the general step hands each group's lists to update(); a planned step does not
+    update = optimizer.update
+    optimizer.update = lambda *args: updates.append(1) or update(*args)
+    action, _ = PLAN_DISRUPTIONS[disruption]
+    general_steps = 0
+    for step in range(1, steps + 1):
+        after = step >= disrupt_before
+        for index, param in enumerate([*params, extra]):
+            trained = {"a gradient gained": index != 3 or after, "a gradient lost": index != 3 or not after}
+            if trained.get(disruption, True):
+                param.grad = torch.randn(param.shape, generator=generator, dtype=dtype).to(device)
+            else:
+                param.grad = None
+        if step == disrupt_before and action is not None:
+            action(optimizer, params, extra)
+        updates.clear()
+        optimizer.step()
+        general_steps += bool(updates)
+    return [*params, extra], optimizer, general_steps
+
+
+@pytest.mark.parametrize("disruption", PLAN_DISRUPTIONS)
+def test_a_planned_adamw_step_notices_what_changed_since_it_was_planned(disruption):
+    params, optimizer, general_steps = run_disrupted_steps("triton", disruption)
+    expected, reference, _ = run_disrupted_steps("native", disruption)
+    assert general_steps == PLAN_DISRUPTIONS[disruption][1]
+    for index, (actual, wanted) in enumerate(zip(params, expected)):
+        assert relative_max_error(actual, wanted) <= TOLERANCE[torch.float32], f"parameter {index}"
+        state, wanted_state = optimizer.state[actual], reference.state[wanted]
+        assert state.keys() == wanted_state.keys(), f"parameter {index}"
+        if state:
+            assert state["step"] == wanted_state["step"], f"parameter {index}"
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert relative_max_error(state[moment], wanted_state[moment]) <= TOLERANCE[torch.float32], \
+                    f"parameter {index} {moment}"
+
+
+@pytest.mark.parametrize("gradient,error,message", [
+    (lambda device: torch.randn(6, 4, device=device).t(), RuntimeError, "contiguous"),
+    (lambda device: torch.randn(4, 6, device=device).to_sparse(), TypeError, "sparse"),
+], ids=["not contiguous", "sparse"])
+def test_a_planned_adamw_step_refuses_a_gradient_the_general_step_refuses(gradient, error, message):
+    device = level_devices("triton")[0]
+    params = [torch.nn.Parameter(torch.randn(4, 6, device=device)) for _ in range(2)]
+    optimizer = levels.build_optimizer("triton", params)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    params[1].grad = gradient(device)
+    with pytest.raises(error, match=message):
+        optimizer.step()
 
 
 @pytest.mark.parametrize("level", levels.LEVELS)

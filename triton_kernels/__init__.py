@@ -86,7 +86,7 @@ if not torch.cuda.is_available():
     print("triton_kernels: no CUDA GPU found, so Triton's interpreter runs the level-4 kernels on the CPU "
           "(correct, but slowly)", file=sys.stderr)
 
-from .adamw import adamw_step  # noqa: E402  (after the switch above, on purpose)
+from .adamw import AdamWStepPlan, adamw_step  # noqa: E402  (after the switch above, on purpose)
 from .attention import attention  # noqa: E402
 from .attention_decode import decode_attention  # noqa: E402
 from .feed_forward import feed_forward, linear  # noqa: E402
@@ -108,6 +108,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ATTENTION_VERSIONS", "adamw_step", "attention", "attention_forward_version", "decode_attention",
+__all__ = ["ATTENTION_VERSIONS", "AdamWStepPlan", "adamw_step", "attention", "attention_forward_version", "decode_attention",
            "feed_forward", "layer_norm", "layer_norm_forward_version", "linear", "linear_cross_entropy", "rms_norm",
            "softmax", "softmax_forward_version", "swish"]
