@@ -206,7 +206,7 @@ class AdamWTriton(_AdamWKernel):
 
     A planned step. ``AdamWSpec.step`` walks the parameters in Python, about a microsecond each, and the
     launcher then checks every tensor in Python too: for GPT-2's 148 parameters (592 tensors) that was
-    0.56 ms of host time on a 2-core CPU, more than the GPU's whole step (0.42 ms on an H200), so the
+    0.6-0.75 ms of host time on a 2-core CPU, more than the GPU's whole step (0.42 ms on an H200), so the
     step ran at the host's pace. Yet from one step to the next only the gradients change. So after a
     step this optimizer keeps, per group, a plan: its parameters, their state and moments, and a
     ``triton_kernels.AdamWStepPlan``, which checks and tables the tensors once. A later step re-reads
