@@ -280,6 +280,26 @@ def test_a_planned_adamw_step_refuses_a_gradient_the_general_step_refuses(gradie
         optimizer.step()
 
 
+def test_a_planned_adamw_step_over_two_dtypes_launches_once_per_dtype_and_matches_level_1():
+    def run(level):
+        generator = torch.Generator().manual_seed(0)
+        dtypes = (torch.float32, torch.float64, torch.float32, torch.float64)
+        params = [torch.nn.Parameter(torch.randn(size, generator=generator, dtype=dtype).to(level_devices(level)[0]))
+                  for size, dtype in zip(SIZES, dtypes)]
+        optimizer = levels.build_optimizer(level, params, **HYPERPARAMETERS)
+        for _ in range(4):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator, dtype=param.dtype).to(param.device)
+            optimizer.step()
+        return params, optimizer
+
+    params, optimizer = run("triton")
+    expected, _ = run("native")
+    assert sorted(indices for indices, *_ in optimizer._plans[0].launch._launches) == [[0, 2], [1, 3]]
+    for actual, wanted in zip(params, expected):
+        assert relative_max_error(actual, wanted) <= TOLERANCE[actual.dtype]
+
+
 @pytest.mark.parametrize("level", levels.LEVELS)
 def test_adamw_skips_parameters_without_a_gradient_and_counts_steps_per_parameter(level):
     device = level_devices(level)[0] if level == "triton" else "cpu"
