@@ -222,12 +222,29 @@ constexpr float kLn2 = 0.6931471805599453f;
 // too, so the scaled max is the max of the scaled scores). row_max becomes m, row_sum is rescaled to it and
 // grows by this lane's P (the quad's partial sums meet at the end); returns 2^(m_old - m), the factor the
 // output accumulated so far must take.
+//
+// The max and the sum run as kSoftmaxChains independent chains, combined at the end. One running max or
+// sum over a thread's 2 kBlocks scores (32 at 128 keys) is as many dependent instructions, each waiting a
+// few cycles for the last, and the compiler may not reorder float additions to shorten it. In the wgmma
+// kernel a warpgroup's softmax must finish while the other warpgroup's products run, and ncu on an H200
+// found its warps mostly stalled on such fixed-latency dependencies (tensor pipe 47 % busy at head dim 80),
+// not on the exp unit (40 %). Four chains there: 0-3 % more TFLOP/s at head dims 64 to 128 and 1-2.5 % at
+// 16384 tokens (profiling/results/h200/README.md).
+constexpr int kSoftmaxChains = 4;
+
 template <int kBlocks>
 __device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int half, float scale_log2, float& row_max,
                                                   float& row_sum) {
-  float tile_max = -INFINITY;
+  float chain_max[kSoftmaxChains];
 #pragma unroll
-  for (int n = 0; n < kBlocks; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+  for (int c = 0; c < kSoftmaxChains; ++c) chain_max[c] = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kBlocks; ++n) {
+    chain_max[n % kSoftmaxChains] = fmaxf(chain_max[n % kSoftmaxChains], fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+  }
+  float tile_max = chain_max[0];
+#pragma unroll
+  for (int c = 1; c < kSoftmaxChains; ++c) tile_max = fmaxf(tile_max, chain_max[c]);
   // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
@@ -237,16 +254,20 @@ __device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int ha
   const float shift = new_max == -INFINITY ? 0.0f : new_max;
   const float rescale = exp2_approx(row_max - shift);
   row_max = new_max;
-  row_sum *= rescale;
+  float chain_sum[kSoftmaxChains] = {};
 #pragma unroll
   for (int n = 0; n < kBlocks; ++n) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       float& p = s[n][2 * half + e];
       p = exp2_approx(fmaf(p, scale_log2, -shift));
-      row_sum += p;
+      chain_sum[n % kSoftmaxChains] += p;
     }
   }
+  float tile_sum = chain_sum[0];
+#pragma unroll
+  for (int c = 1; c < kSoftmaxChains; ++c) tile_sum += chain_sum[c];
+  row_sum = row_sum * rescale + tile_sum;
   return rescale;
 }
 
