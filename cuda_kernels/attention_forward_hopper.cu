@@ -37,9 +37,14 @@
 //   (cuda_kernels/ops.py adds it, and -DKERNEL_LADDER_SM90A, when it sees an H100-class GPU); runs only
 //   on compute capability 9.0.
 //
-// Speed
-//   Tile widths 64 and 128 were measured on an H100 (head dim 128, bf16 causal: as fast as cuDNN); the
-//   widths 80, 96, 192 and 256 and their key tiles are not yet measured.
+// Speed (bf16, causal, (4, 16, 4096, D), TFLOP/s; profiling/results/h200/README.md, h100/hopper-narrow-heads.md)
+//   On an H200: D = 128 about 520, cuDNN's speed; D = 64, 80, 96: 363, 413-418, 441-462 (1.2x cuDNN at 80);
+//   D = 256 on the suite's run 631 (1.14x cuDNN). The narrow heads run at 0.69-0.88x D = 128's TFLOP/s
+//   because a key tile costs the consumers the same softmax at every D for less tensor-core work. What
+//   limits that softmax is latency, not the exp unit: ncu at D = 80 has the tensor pipe 47 % busy, the exp
+//   unit 40 %, the issue slots 41 %, and the warps mostly waiting on fixed-latency dependencies (hence the
+//   independent chains in exponentiate_row). Probed and not adopted: wider key tiles (176) and three
+//   consumer warpgroups at D <= 96 (H100), a share of the exponentials on the FMA pipes (H200).
 //
 // Check
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DKERNEL_LADDER_SM90A -Xptxas -v,-warn-spills \
