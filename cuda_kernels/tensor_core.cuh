@@ -228,8 +228,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 // few cycles for the last, and the compiler may not reorder float additions to shorten it. In the wgmma
 // kernel a warpgroup's softmax must finish while the other warpgroup's products run, and ncu on an H200
 // found its warps mostly stalled on such fixed-latency dependencies (tensor pipe 47 % busy at head dim 80),
-// not on the exp unit (40 %). Four chains there: 0-3 % more TFLOP/s at head dims 64 to 128 and 1-2.5 % at
-// 16384 tokens (profiling/results/h200/README.md).
+// not on the exp unit (40 %). Four chains there, against one, both builds in turns: 1.4-4.7 % more TFLOP/s at
+// head dims 64 to 128 over 4096 tokens, 1.3-1.6 % over 16384 (profiling/results/h200/README.md).
 constexpr int kSoftmaxChains = 4;
 
 template <int kBlocks>
