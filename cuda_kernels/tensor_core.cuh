@@ -219,9 +219,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 // where the mask hides a key; scale_log2 (> 0) takes them to log2 units. The row's part of s becomes
 // P = 2^(s * scale_log2 - m) with m the new running max (log2 units), in one FFMA and one MUFU.EX2 a score:
 // the max is taken over the raw scores, since a positive scale keeps their order (and rounding keeps it
-// too, so the scaled max is the max of the scaled scores). row_max becomes m, row_sum is rescaled to it and
-// grows by this lane's P (the quad's partial sums meet at the end); returns 2^(m_old - m), the factor the
-// output accumulated so far must take.
+// too, so the scaled max is the max of the scaled scores). row_max becomes m (which lags: kMaxLag below),
+// row_sum is rescaled to it and grows by this lane's P (the quad's partial sums meet at the end); returns
+// 2^(m_old - m), the factor the output accumulated so far must take, exactly 1 when m did not move.
 //
 // The max and the sum run as kSoftmaxChains independent chains, combined at the end. One running max or
 // sum over a thread's 2 kBlocks scores (32 at 128 keys) is as many dependent instructions, each waiting a
@@ -231,6 +231,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 // not on the exp unit (40 %). Four chains there, against one, both builds in turns: 1.4-4.7 % more TFLOP/s at
 // head dims 64 to 128 over 4096 tokens, 1.3-1.6 % over 16384 (profiling/results/h200/README.md).
 constexpr int kSoftmaxChains = 4;
+
+// How far (log2 units) a tile's max may pass the running max before the running max moves. Below that, P is
+// taken against the stale max, so its values reach up to 2^kMaxLag = 256 instead of 1: harmless, since a
+// float's relative precision does not depend on its size (P rounded to 16 bits, the float32 sums and the
+// output are exactly as accurate), and 256 times a row's sum is far from float32's range. What it buys: the
+// returned factor is then exactly 1, and after the first tile or two of a row it almost always is (a row's
+// max grows by 2^8 only rarely once it has seen some keys), so a kernel can skip rescaling its output
+// accumulator (FlashAttention-4's conditional rescaling; the Hopper kernel skips it per warp).
+constexpr float kMaxLag = 8.0f;
 
 template <int kBlocks>
 __device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int half, float scale_log2, float& row_max,
@@ -248,7 +257,9 @@ __device__ __forceinline__ float exponentiate_row(float (&s)[kBlocks][4], int ha
   // The 4 lanes of a quad hold the same two rows: two shuffles give each the row's max.
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-  const float new_max = fmaxf(row_max, tile_max * scale_log2);
+  // The running max lags: it moves only when the tile's max passes it by more than kMaxLag.
+  const float scaled_tile_max = tile_max * scale_log2;
+  const float new_max = scaled_tile_max > row_max + kMaxLag ? scaled_tile_max : row_max;
   // A row that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps its
   // 2^(-inf) = 0 from turning into 2^(-inf + inf) = NaN.
   const float shift = new_max == -INFINITY ? 0.0f : new_max;
