@@ -145,6 +145,33 @@ def test_both_level_5_cuda_forward_kernels_match_float64_reference(head_dim, dty
             assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], case
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_level_5_cuda_forward_follows_a_running_max_that_keeps_growing(head_dim, dtype, causal):
+    """The kernels' running max lags (kMaxLag in tensor_core.cuh): it moves only when a tile's max passes it by
+    more than 2^8, and the output is rescaled only then. Keys whose scores grow along the sequence (k scaled by
+    1 … 12) make a row's max pass the lag again and again, beside tiles that stay under it: out and lse still
+    match float64 in both kernels, where random scores of unit size never pass the lag after the first tile."""
+    from cuda_kernels.ops import portable_attention
+
+    forward = torch.ops.cuda_kernels.attention_forward.default
+    scale = head_dim ** -0.5
+    length = 1000
+    q = torch.randn(1, 2, length, head_dim, dtype=dtype, device="cuda")
+    growth = torch.linspace(1, 12, length, device="cuda")[:, None]
+    k = (torch.randn(1, 2, length, head_dim, device="cuda") * growth).to(dtype)
+    v = torch.randn(1, 2, length, head_dim, dtype=dtype, device="cuda")
+    expected_out, expected_lse = float64_attention_and_lse(q, k, v, causal, 0, scale)
+    with portable_attention():
+        portable = forward(q, k, v, causal, 0, scale)
+    default = forward(q, k, v, causal, 0, scale)
+    for kernel, (out, lse) in {"portable": portable, "default": default}.items():
+        assert levels.relative_max_error(out, expected_out) <= levels.TOLERANCE[dtype], kernel
+        assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], kernel
+
+
 def float64_attention_gradients(q, k, v, grad_out, causal, window, scale):
     """Level 1's grad_q, grad_k, grad_v in float64 for grad_out flowing back."""
     reference = levels.float64_reference(levels.build("attention", "native", causal=causal, window=window or None,

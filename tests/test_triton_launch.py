@@ -16,6 +16,7 @@ import torch
 
 import levels
 
+from .conftest import level_devices
 from .helpers import assert_matches_float64_reference, build_pair, make_inputs
 
 pytest.importorskip("triton")
@@ -23,6 +24,11 @@ launch_module = importlib.import_module("triton_kernels.launch")
 import triton  # noqa: E402  (after triton_kernels, which decides whether the interpreter runs)
 import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+TRITON_DEVICE = level_devices("triton")[0]
+"""Where level 4's kernels really run, for the tests below that launch them rather than a recorder: the GPU
+when there is one (Triton's interpreter, the only way its kernels take CPU tensors, is then off), else the
+CPU through the interpreter."""
 
 
 def _scale_kernel(X, Y, n, scale, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
@@ -245,7 +251,7 @@ def test_attention_forward_checks_and_plans_a_signature_once_and_every_new_one_a
     monkeypatch.setattr(attention_forward, "checked_readable_inputs",
                         lambda *args: checked.append(args[0].shape) or check(*args))
     monkeypatch.setattr(attention_forward, "_FORWARD_LAUNCHES", attention_forward.SignatureTable())
-    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 16, device=TRITON_DEVICE) for _ in range(3))
     first, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
     again, _ = attention_forward.launch_attention_fwd(q, k, v, True, 0, 0.25)
     assert len(checked) == 1 and torch.equal(first, again)
@@ -254,7 +260,8 @@ def test_attention_forward_checks_and_plans_a_signature_once_and_every_new_one_a
     assert len(checked) == 3
     with pytest.raises(RuntimeError, match="causal attention with 8 queries but only 4 keys"):
         attention_forward.launch_attention_fwd(q, k[:, :, :4], v[:, :, :4], True, 0, 0.25)
-    odd_view = torch.randn(1, 2, 16, 8).transpose(2, 3)  # head_dim values 16 apart: copied to be read
+    # head_dim values 16 apart: copied to be read
+    odd_view = torch.randn(1, 2, 16, 8, device=TRITON_DEVICE).transpose(2, 3)
     for _ in range(2):
         out, _ = attention_forward.launch_attention_fwd(q, odd_view, v, False, 0, 0.25)
     assert len(checked) == 6 and torch.allclose(out, attention_forward.launch_attention_fwd(
@@ -273,10 +280,11 @@ def test_attention_forward_serves_a_growing_kv_cache_from_one_plan(monkeypatch):
                         lambda *args: checked.append(args[1].shape[2]) or check(*args))
     for table in ("_FORWARD_LAUNCHES", "_GROWING_KEYS_LAUNCHES"):
         monkeypatch.setattr(attention_forward, table, attention_forward.SignatureTable())
-    q = torch.randn(1, 2, 1, 16)
-    keys, values = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    q = torch.randn(1, 2, 1, 16, device=TRITON_DEVICE)
+    keys, values = torch.randn(1, 2, 5, 16, device=TRITON_DEVICE), torch.randn(1, 2, 5, 16, device=TRITON_DEVICE)
     for _ in range(4):  # the cache grows as GrowingCacheDecoder's does: concatenated, contiguous
-        keys, values = torch.cat((keys, torch.randn(1, 2, 1, 16)), 2), torch.cat((values, torch.randn(1, 2, 1, 16)), 2)
+        keys, values = (torch.cat((cache, torch.randn(1, 2, 1, 16, device=TRITON_DEVICE)), 2)
+                        for cache in (keys, values))
         out, _ = attention_forward.launch_attention_fwd(q, keys, values, True, 0, 0.25)
         # One query, aligned to the end of the keys, sees them all.
         expected = torch.softmax(q.double() @ keys.double().transpose(2, 3) * 0.25, -1) @ values.double()
@@ -285,7 +293,7 @@ def test_attention_forward_serves_a_growing_kv_cache_from_one_plan(monkeypatch):
     with pytest.raises(RuntimeError, match="shapes do not fit together"):
         attention_forward.launch_attention_fwd(q, keys, values[:, :, :-1], True, 0, 0.25)
     with pytest.raises(RuntimeError, match="causal attention with 3 queries but only 2 keys"):
-        q3 = torch.randn(1, 2, 3, 16)
+        q3 = torch.randn(1, 2, 3, 16, device=TRITON_DEVICE)
         attention_forward.launch_attention_fwd(q3, keys, values, True, 0, 0.25)  # plans (1, 2, 3, 16)
         attention_forward.launch_attention_fwd(q3, keys[:, :, :2], values[:, :, :2], True, 0, 0.25)
 
@@ -296,23 +304,23 @@ def test_a_level_checks_each_new_attention_signature_after_one_has_passed():
     passes without (a decode loop's KV cache), unless k and v disagree on it or it falls short of causal
     attention's queries."""
     attention = levels.build("attention", "triton", causal=True)
-    q = torch.randn(1, 2, 8, 16)
+    q = torch.randn(1, 2, 8, 16, device=TRITON_DEVICE)
     attention(q, q, q)
-    grown = torch.randn(1, 2, 9, 16)
+    grown = torch.randn(1, 2, 9, 16, device=TRITON_DEVICE)
     expected = levels.build("attention", "native", causal=True)(*(t.double() for t in (q, grown, grown)))
     assert levels.relative_max_error(attention(q, grown, grown), expected) <= levels.TOLERANCE[torch.float32]
     with pytest.raises(ValueError, match="shapes do not fit together"):
-        attention(q, grown, torch.randn(1, 2, 10, 16))
+        attention(q, grown, torch.randn(1, 2, 10, 16, device=TRITON_DEVICE))
     with pytest.raises(ValueError, match="causal attention with 8 queries but only 4 keys"):
         attention(q, q[:, :, :4], q[:, :, :4])
     with pytest.raises(ValueError, match="shapes do not fit together"):
-        attention(q, q, torch.randn(1, 2, 8, 8))
+        attention(q, q, torch.randn(1, 2, 8, 8, device=TRITON_DEVICE))
     with pytest.raises(TypeError, match="q, k and v must share dtype"):
         attention(q, q, q.double())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         attention(q, q, None)
     with pytest.raises(ValueError, match="head_dim"):
-        attention(*(torch.randn(1, 2, 8, 12) for _ in range(3)))
+        attention(*(torch.randn(1, 2, 8, 12, device=TRITON_DEVICE) for _ in range(3)))
 
 
 def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_again(monkeypatch):
@@ -419,9 +427,10 @@ def test_attention_backward_plans_a_signature_once_and_a_new_gradient_layout_aga
     monkeypatch.setattr(attention_backward, "_plan_backward", lambda *args: planned.append(1) or plan(*args))
     monkeypatch.setattr(attention_backward, "_BACKWARD_LAUNCHES", attention_backward.SignatureTable())
     attention = levels.build("attention", "triton", causal=True)
-    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True, device=TRITON_DEVICE) for _ in range(3))
     grads = []
-    for grad_out in (torch.randn(1, 2, 8, 16), torch.randn(1, 8, 2, 16).transpose(1, 2)):  # the merged heads' view
+    merged_heads_view = torch.randn(1, 8, 2, 16, device=TRITON_DEVICE).transpose(1, 2)
+    for grad_out in (torch.randn(1, 2, 8, 16, device=TRITON_DEVICE), merged_heads_view):
         for _ in range(2):
             q.grad = k.grad = v.grad = None
             attention(q, k, v).backward(grad_out)
