@@ -124,6 +124,15 @@ def device_dtype_params(level: str):
     return params
 
 
+UPSTREAM_COMPILE_BUG = pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < (2, 13), raises=RuntimeError, strict=False,
+    reason="torch < 2.13: the compiled backward of CPU attention in float64 stops on 'expected scalar type Double "
+           "but found Float' (the op's meta kernel said its log-sum-exp was float32; pytorch/pytorch#185539)")
+"""Level 3's float64 attention on the CPU, where the GPU machines' torch 2.11 fails in PyTorch's own code. Only
+that RuntimeError is excused: a wrong answer still fails, and from torch 2.13 (what .ci/run installs) the cases
+run as any other."""
+
+
 def grid_params():
     """Every component case × level × (device, dtype) the level supports."""
     params = []
@@ -132,9 +141,12 @@ def grid_params():
             for level in levels.LEVELS:
                 for device_dtype in device_dtype_params(level):
                     device, dtype = device_dtype.values
+                    marks = list(device_dtype.marks)
+                    if (component, level, device, dtype) == ("attention", "compile", "cpu", torch.float64):
+                        marks.append(UPSTREAM_COMPILE_BUG)
                     params.append(pytest.param(
                         component, config, shape, level, device, dtype,
-                        id=f"{component}{case_index}-{level}-{device_dtype.id}", marks=device_dtype.marks,
+                        id=f"{component}{case_index}-{level}-{device_dtype.id}", marks=marks,
                     ))
     return params
 

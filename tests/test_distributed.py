@@ -14,6 +14,8 @@ from levels import TOLERANCE, relative_max_error
 from profiling.distributed import (BLOCKS_PER_UNIT, EVERY_GATHER, each_alone_path, format_scaling_table,
                                   scaling_table, show_several_gpu_run, train_steps, two_process_worker)
 
+from .conftest import level_devices
+
 STEPS, BATCH, SEQ = 2, 4, 16
 
 
@@ -24,8 +26,10 @@ def free_port() -> int:
 
 
 LAUNCHER_UNITS = {"blocks_per_unit": BLOCKS_PER_UNIT, "reshard_after_forward": False}  # as main() wraps FSDP
+# Every level that runs on the CPU here: level 4 does only without a GPU (its interpreter takes CPU tensors).
 CASES = [pytest.param(level, strategy, EVERY_GATHER, id=f"{level}-{strategy}")
-         for level in ("native", "torchscript", "compile", "triton", "cuda") for strategy in ("ddp", "fsdp")]
+         for level in ("native", "torchscript", "compile", "triton", "cuda") if "cpu" in level_devices(level)
+         for strategy in ("ddp", "fsdp")]
 CASES += [pytest.param(level, "fsdp", LAUNCHER_UNITS, id=f"{level}-fsdp-as-launched")
           for level in ("native", "cuda")]  # level 5: the level the launcher measures
 

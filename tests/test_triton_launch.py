@@ -230,11 +230,16 @@ def test_launchers_refuse_other_devices_and_dtypes_by_name():
     swish = importlib.import_module("triton_kernels").swish
     with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
         swish(torch.randn(4, device="meta"), 1.0)
-    with pytest.raises(TypeError, match="got dtype float16; on cpu it supports: float32, float64"):
-        swish(torch.randn(4, dtype=torch.float16), 1.0)
+    # The interpreter has no 16-bit arithmetic; the GPU's kernels take every float dtype, and no integer.
+    unsupported, supported = ((torch.float16, "float32, float64") if TRITON_DEVICE == "cpu"
+                              else (torch.int32, "float16, bfloat16, float32, float64"))
+    refusal = f"got dtype {str(unsupported).removeprefix('torch.')}; on {TRITON_DEVICE} it supports: {supported}"
+    with pytest.raises(TypeError, match=refusal):
+        swish(torch.randn(4, device=TRITON_DEVICE).to(unsupported), 1.0)
     layer_norm = importlib.import_module("triton_kernels").layer_norm
     with pytest.raises(LevelUnavailableError, match="got a tensor on meta"):
-        layer_norm(torch.randn(2, 4), torch.randn(4, device="meta"), torch.randn(4), 1e-5)
+        layer_norm(torch.randn(2, 4, device=TRITON_DEVICE), torch.randn(4, device="meta"),
+                   torch.randn(4, device=TRITON_DEVICE), 1e-5)
 
 
 # --- work done once per input signature -----------------------------------------------------------------
@@ -331,7 +336,8 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
     check = layer_norm.check_norm_shapes
     monkeypatch.setattr(layer_norm, "check_norm_shapes", lambda op, x, **kw: checked.append(op) or check(op, x, **kw))
     monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", layer_norm.SignatureTable())
-    x, weight, bias = torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    x = torch.randn(4, 16, device=TRITON_DEVICE)
+    weight, bias = (torch.randn(16, device=TRITON_DEVICE) for _ in range(2))
     first = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
     again = layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias, 1e-5, True)
     assert checked == ["layer_norm_forward"] and all(torch.equal(a, b) for a, b in zip(first, again))
@@ -356,9 +362,9 @@ def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(mo
     monkeypatch.setattr(backward, "_NORM_BACKWARD_LAUNCHES", backward.SignatureTable())
     for component in ("layer_norm", "rms_norm"):
         for dtype in (torch.float32, torch.float64):
-            module, reference = build_pair(component, "triton", {"normalized_shape": 16}, "cpu", dtype)
+            module, reference = build_pair(component, "triton", {"normalized_shape": 16}, TRITON_DEVICE, dtype)
             for rows in (4, 4, 64, 64):  # 64 rows: several programs, their partial buffers and the column sums
-                inputs = make_inputs(module, (rows, 16), dtype, "cpu")
+                inputs = make_inputs(module, (rows, 16), dtype, TRITON_DEVICE)
                 assert_matches_float64_reference(module, reference, inputs, levels.TOLERANCE[dtype])
     assert planned == [(dtype, rows, 16, subtract_mean) for subtract_mean in (True, False)
                        for dtype in (torch.float32, torch.float64) for rows in (4, 64)]
@@ -377,18 +383,18 @@ def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_l
     for table in ("_LINEAR_FORWARD_LAUNCHES", "_FEED_FORWARD_FORWARD_LAUNCHES", "_LINEAR_BACKWARD_LAUNCHES",
                   "_FEED_FORWARD_BACKWARD_LAUNCHES"):
         monkeypatch.setattr(feed_forward, table, feed_forward.SignatureTable())
-    weight, bias = torch.randn(24, 16), torch.randn(24)
-    off_16_bytes = torch.randn(5 * 16 + 1)[1:].view(5, 16)  # 4 bytes past an aligned start
-    for x, w, b in ((torch.randn(5, 16), weight, bias), (torch.randn(5, 16), weight, bias),
-                    (off_16_bytes, weight, bias), (torch.randn(7, 16), weight, bias),
-                    (torch.randn(5, 16), weight, None)):
+    weight, bias = torch.randn(24, 16, device=TRITON_DEVICE), torch.randn(24, device=TRITON_DEVICE)
+    off_16_bytes = torch.randn(5 * 16 + 1, device=TRITON_DEVICE)[1:].view(5, 16)  # 4 bytes past an aligned start
+    five_rows, seven_rows = torch.randn(5, 16, device=TRITON_DEVICE), torch.randn(7, 16, device=TRITON_DEVICE)
+    for x, w, b in ((five_rows, weight, bias), (five_rows.clone(), weight, bias), (off_16_bytes, weight, bias),
+                    (seven_rows, weight, bias), (five_rows.clone(), weight, None)):
         expected = x.double() @ w.double().t() + (0 if b is None else b.double())
         torch.testing.assert_close(feed_forward.launch_linear_fwd(x, w, b), expected.float())
     assert len(planned) == 4  # the repeat planned nothing
-    proj_weight, proj_bias = torch.randn(16, 24), torch.randn(16)
+    proj_weight, proj_bias = torch.randn(16, 24, device=TRITON_DEVICE), torch.randn(16, device=TRITON_DEVICE)
     planned.clear()
     for save in (True, True, False, False):
-        x = torch.randn(5, 16)
+        x = torch.randn(5, 16, device=TRITON_DEVICE)
         out, pre_activation, activation = feed_forward.launch_feed_forward_fwd(x, weight, bias, proj_weight, proj_bias,
                                                                                 save_for_backward=save)
         hidden = x.double() @ weight.double().t() + bias.double()
@@ -398,7 +404,7 @@ def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_l
     assert planned == ["gelu_saving_pre_activation", "none", "gelu", "none"]
     planned.clear()
     for has_bias in (True, True, False):  # the backwards: a repeat plans nothing; without biases, anew
-        x, grad_out = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 24, dtype=torch.float64)
+        x, grad_out = (torch.randn(5, width, dtype=torch.float64, device=TRITON_DEVICE) for width in (16, 24))
         w = weight.double()
         grads = feed_forward.launch_linear_bwd_unchecked(grad_out, x, w, has_bias)
         for got, expected in zip(grads, (grad_out @ w, grad_out.t() @ x, grad_out.sum(0) if has_bias else None)):
@@ -406,8 +412,8 @@ def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_l
     assert planned == ["none", "none"] * 2
     planned.clear()
     for has_bias in (True, True, False):
-        x, grad_out, fc_w, proj_w = (torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64),
-                                     weight.double(), proj_weight.double())
+        x, grad_out = (torch.randn(5, 16, dtype=torch.float64, device=TRITON_DEVICE) for _ in range(2))
+        fc_w, proj_w = weight.double(), proj_weight.double()
         h = x @ fc_w.t()
         a = torch.nn.functional.gelu(h, approximate="tanh")
         grads = feed_forward.launch_feed_forward_bwd_unchecked(grad_out, x, fc_w, proj_w, h, a, has_bias)
