@@ -19,10 +19,11 @@
 // The one idea that makes it fast
 //   The seq x seq score matrix is never stored. A warp computes its 16 x 64 tile of S on the tensor
 //   cores, and the online softmax folds it into a running max m, running sum l and running output o
-//   (rescaled by 2^(m_old - m_new) when a tile raises the max); P, rounded to 16 bits, is already in
-//   the register layout of mma's A operand, so o += P v follows without touching shared memory. So
-//   memory traffic is q, k, v read and o written, and the time is the tensor cores' and the exp
-//   unit's. exp is 2^x on the special-function unit, log2(e) folded into the score scale.
+//   (rescaled by 2^(m_old - m_new) when a tile raises the max past its lag, kMaxLag in tensor_core.cuh;
+//   this kernel multiplies by the factor of 1 that leaves, where the Hopper one skips it); P, rounded to
+//   16 bits, is already in the register layout of mma's A operand, so o += P v follows without touching
+//   shared memory. So memory traffic is q, k, v read and o written, and the time is the tensor cores'
+//   and the exp unit's. exp is 2^x on the special-function unit, log2(e) folded into the score scale.
 //   Mask: only tiles that hold a masked pair (the causal diagonal, the window's edge, the padding
 //   past the last key) pay for the mask; tiles no query of the CTA sees are never visited, so with
 //   a sliding window the work grows with seq x window.
