@@ -45,8 +45,8 @@
 //   unit 40 %, the issue slots 41 %, and the warps mostly waiting on fixed-latency dependencies (hence the
 //   independent chains in exponentiate_row, and the lagging running max that lets a warp skip the output's
 //   rescale: 0-3 % more TFLOP/s, most at D = 96, on another H200 whose D = 80 ran at 390-397 before it).
-//   Probed and not adopted: wider key tiles (176) and three
-//   consumer warpgroups at D <= 96 (H100), a share of the exponentials on the FMA pipes (H200).
+//   Probed and not adopted: wider key tiles (176) and three consumer warpgroups at D <= 96 (H100), a share
+//   of the exponentials on the FMA pipes (H200).
 //
 // Check
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DKERNEL_LADDER_SM90A -Xptxas -v,-warn-spills \
