@@ -121,28 +121,33 @@ def float64_attention_and_lse(q, k, v, causal, window, scale):
     return reference(q, k, v), torch.logsumexp(scores, dim=-1)
 
 
+def assert_both_level_5_forward_kernels_match_float64(q, k, v, causal, window, scale, case):
+    """On a Hopper GPU the default is the wgmma/TMA kernel and portable_attention() the mma.sync one; on
+    any other GPU both are the mma.sync kernel. Out and lse of both, finite and within q's tolerance of float64."""
+    from cuda_kernels.ops import portable_attention
+
+    forward = torch.ops.cuda_kernels.attention_forward.default
+    expected_out, expected_lse = float64_attention_and_lse(q, k, v, causal, window, scale)
+    with portable_attention():
+        portable = forward(q, k, v, causal, window, scale)
+    default = forward(q, k, v, causal, window, scale)
+    for kernel, (out, lse) in {"portable": portable, "default": default}.items():
+        where = f"{kernel} kernel, {case}"
+        assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()), where
+        assert levels.relative_max_error(out, expected_out) <= levels.TOLERANCE[q.dtype], where
+        assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[q.dtype], where
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", LEVEL_5_HEAD_DIMS)
 def test_both_level_5_cuda_forward_kernels_match_float64_reference(head_dim, dtype):
-    """On a Hopper GPU the default is the wgmma/TMA kernel and portable_attention() the mma.sync one; on
-    any other GPU both are the mma.sync kernel. Out and lse, every case, both ways."""
-    from cuda_kernels.ops import portable_attention
-
-    forward = torch.ops.cuda_kernels.attention_forward.default
-    scale = head_dim ** -0.5
+    """Out and lse of both level-5 forward kernels, every case."""
     for config, query_shape, key_shape in LEVEL_5_CASES:
         q = torch.randn(*query_shape, head_dim, dtype=dtype, device="cuda")
         k, v = (torch.randn(*key_shape, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        expected_out, expected_lse = float64_attention_and_lse(q, k, v, config["causal"], config["window"], scale)
-        with portable_attention():
-            portable = forward(q, k, v, config["causal"], config["window"], scale)
-        default = forward(q, k, v, config["causal"], config["window"], scale)
-        for kernel, (out, lse) in {"portable": portable, "default": default}.items():
-            case = f"{kernel} kernel, {config}, q {query_shape}, k {key_shape}"
-            assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()), case
-            assert levels.relative_max_error(out, expected_out) <= levels.TOLERANCE[dtype], case
-            assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], case
+        assert_both_level_5_forward_kernels_match_float64(q, k, v, config["causal"], config["window"],
+                                                          head_dim ** -0.5, f"{config}, q {query_shape}, k {key_shape}")
 
 
 @pytest.mark.gpu
@@ -154,22 +159,12 @@ def test_level_5_cuda_forward_follows_a_running_max_that_keeps_growing(head_dim,
     more than 2^8, and the output is rescaled only then. Keys whose scores grow along the sequence (k scaled by
     1 … 12) make a row's max pass the lag again and again, beside tiles that stay under it: out and lse still
     match float64 in both kernels, where random scores of unit size never pass the lag after the first tile."""
-    from cuda_kernels.ops import portable_attention
-
-    forward = torch.ops.cuda_kernels.attention_forward.default
-    scale = head_dim ** -0.5
     length = 1000
     q = torch.randn(1, 2, length, head_dim, dtype=dtype, device="cuda")
     growth = torch.linspace(1, 12, length, device="cuda")[:, None]
     k = (torch.randn(1, 2, length, head_dim, device="cuda") * growth).to(dtype)
     v = torch.randn(1, 2, length, head_dim, dtype=dtype, device="cuda")
-    expected_out, expected_lse = float64_attention_and_lse(q, k, v, causal, 0, scale)
-    with portable_attention():
-        portable = forward(q, k, v, causal, 0, scale)
-    default = forward(q, k, v, causal, 0, scale)
-    for kernel, (out, lse) in {"portable": portable, "default": default}.items():
-        assert levels.relative_max_error(out, expected_out) <= levels.TOLERANCE[dtype], kernel
-        assert levels.relative_max_error(lse, expected_lse) <= levels.TOLERANCE[dtype], kernel
+    assert_both_level_5_forward_kernels_match_float64(q, k, v, causal, 0, head_dim ** -0.5, "growing keys")
 
 
 def float64_attention_gradients(q, k, v, grad_out, causal, window, scale):
