@@ -20,7 +20,10 @@ Read once: the cooperative forward (a GPU only)
     needs at least ``launch.COOPERATIVE_MIN_ROWS_AT_ONCE`` rows at once, else the two phases below run.
     On an H100 it took LayerNorm over float32 rows of 32,768 and 131,072 from 65 and 64 % of copy
     bandwidth to 81 and 76 % (profiling/results/h100/sweep.csv): short of a row held in one program
-    (99 %), because a program that waits loads nothing. Rows as short as 32,768 now loop instead, one
+    (99 %), because a program that waits loads nothing. Two ways to load during the wait lost on an H200:
+    the next row's slice loaded before it (two slices in registers: half the programs an SM), and the
+    matrix streamed through L2 in steps, which reads x once only when a step is small, and then too few
+    programs run (profiling/results/h200/long-row-probes.md). Rows as short as 32,768 now loop instead, one
     an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
     profiling/results/h100/looped-rows-in-l2.md). The float32 backward has a cooperative grid too
     (``_norm_bwd_cooperative_kernel``): x and dy stay in registers while the row's Σx̂·g and Σg gather,
