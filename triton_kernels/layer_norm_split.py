@@ -20,11 +20,12 @@ Read once: the cooperative forward (a GPU only)
     needs at least ``launch.COOPERATIVE_MIN_ROWS_AT_ONCE`` rows at once, else the two phases below run.
     On an H100 it took LayerNorm over float32 rows of 32,768 and 131,072 from 65 and 64 % of copy
     bandwidth to 81 and 76 % (profiling/results/h100/sweep.csv): short of a row held in one program
-    (99 %), because a program that waits loads nothing. Two ways to load during the wait lost on an H200:
-    the next row's slice loaded before it (two slices in registers: half the programs an SM), and the
-    matrix streamed through L2 in steps, which reads x once only when a step is small, and then too few
-    programs run (profiling/results/h200/long-row-probes.md). Rows as short as 32,768 now loop instead, one
-    an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
+    (99 %), because a program that waits loads nothing. Two ways to load during the wait lost on an H100
+    and again on an H200: the next row's slice loaded before it (two slices in registers: half the
+    programs an SM; profiling/results/h100/cooperative-grids.md), and the matrix streamed through L2,
+    which reads x once only while few enough slices are in flight, and then too few programs run
+    (profiling/results/h100/long-rows-streamed.md, h200/long-row-probes.md). Rows as short as 32,768
+    now loop instead, one an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
     profiling/results/h100/looped-rows-in-l2.md). The float32 backward has a cooperative grid too
     (``_norm_bwd_cooperative_kernel``): x and dy stay in registers while the row's Σx̂·g and Σg gather,
     and each program keeps one column slice for good, so its dw, db stay in registers across its rows.
