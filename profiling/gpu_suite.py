@@ -5,7 +5,8 @@ included, so each can run as one call on a lent machine; run them one after anot
 
     python -m profiling.gpu_suite --part tests     --out profiling/results/h100   # GPU-marked tests, levels 1, 2, 4, 5
     python -m profiling.gpu_suite --part tests-compile --out profiling/results/h100  # GPU-marked tests, level 3
-    python -m profiling.gpu_suite --part tests-cpu --out profiling/results/h100   # the other tests
+    python -m profiling.gpu_suite --part tests-cpu --out profiling/results/h100   # the other tests, but the grid's
+    python -m profiling.gpu_suite --part tests-cpu-grid --out profiling/results/h100  # the equivalence grid's CPU cases
     python -m profiling.gpu_suite --part kernels   --out profiling/results/h100   # component benchmarks
     python -m profiling.gpu_suite --part attention --out profiling/results/h100   # attention against cuDNN
     python -m profiling.gpu_suite --part huggingface --out profiling/results/h100 # transformers GPT-2, patched
@@ -21,7 +22,7 @@ included, so each can run as one call on a lent machine; run them one after anot
 
 Without --part every part runs in turn. Each part writes, under --out:
     environment.json         device, torch / Triton / CUDA versions, date, copy bandwidth
-    pytest-<part>.log        tests, tests-compile, tests-cpu: the test run
+    pytest-<part>.log        tests, tests-compile, tests-cpu, tests-cpu-grid: the test run
     benchmarks.csv/.png      kernels: one row per component × dtype × pass × level, as compare_optimization_levels
     attention.csv/.png       attention: causal attention at long sequences, GPT-2's shape and five head dims
     huggingface.csv          huggingface: transformers' GPT-2 small, unpatched and patched at each level
@@ -607,10 +608,13 @@ def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str, each_al
 
 
 TEST_SELECTIONS = {"tests": ("gpu", "not compile"), "tests-compile": ("gpu", "compile"),
-                   "tests-cpu": ("not gpu", "")}
+                   "tests-cpu": ("not gpu", "not test_equivalence"), "tests-cpu-grid": ("not gpu", "test_equivalence")}
 """(pytest marker expression, keyword expression) per test part: the GPU-marked tests (what only this machine
 checks) in two parts, because level 3's cases compile Inductor kernels from a cold cache for most of their time
-(an attention case in float16 about a minute) and all of them in one part outlast a ten-minute call; then the rest."""
+(an attention case in float16 about a minute) and all of them in one part outlast a ten-minute call; then the rest,
+in two parts as well: the equivalence grid's CPU cases (about 650) and the other files (about 630). All ~1,280 in
+one part did not finish in a ten-minute call on an H200 (95 % by then); there test_distributed.py alone, one test
+after another, did not finish in seven minutes."""
 
 
 def run_tests(part: str, out: Path) -> int:
@@ -697,7 +701,7 @@ BREAKDOWN_ROWS = ("gpt:cuda", "gpt:triton", "hf:sdpa+compile", "hf:cuda", "hf:tr
 """The breakdown part's steps: the same GPT-2 small at level 5 and 4 as our GPT and as transformers' patched
 model, beside the compiled transformers model its targets are measured against."""
 
-PARTS = ("tests", "tests-compile", "tests-cpu", "kernels", "attention", "huggingface", "breakdown", "models",
+PARTS = ("tests", "tests-compile", "tests-cpu", "tests-cpu-grid", "kernels", "attention", "huggingface", "breakdown", "models",
          "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
