@@ -608,7 +608,8 @@ def check_scaling_targets(steps: pd.DataFrame, path: Path, machine: str, each_al
 
 
 TEST_SELECTIONS = {"tests": ("gpu", "not compile"), "tests-compile": ("gpu", "compile"),
-                   "tests-cpu": ("not gpu", "not test_equivalence"), "tests-cpu-grid": ("not gpu", "test_equivalence")}
+                   "tests-cpu": ("not gpu", "not test_equivalence"),
+                   "tests-cpu-grid": ("not gpu", "test_equivalence")}
 """(pytest marker expression, keyword expression) per test part: the GPU-marked tests (what only this machine
 checks) in two parts, because level 3's cases compile Inductor kernels from a cold cache for most of their time
 (an attention case in float16 about a minute) and all of them in one part outlast a ten-minute call; then the rest,
@@ -701,8 +702,8 @@ BREAKDOWN_ROWS = ("gpt:cuda", "gpt:triton", "hf:sdpa+compile", "hf:cuda", "hf:tr
 """The breakdown part's steps: the same GPT-2 small at level 5 and 4 as our GPT and as transformers' patched
 model, beside the compiled transformers model its targets are measured against."""
 
-PARTS = ("tests", "tests-compile", "tests-cpu", "tests-cpu-grid", "kernels", "attention", "huggingface", "breakdown", "models",
-         "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
+PARTS = ("tests", "tests-compile", "tests-cpu", "tests-cpu-grid", "kernels", "attention", "huggingface", "breakdown",
+         "models", "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
 
