@@ -17,6 +17,8 @@ from profiling.cli import main
 from profiling.gpu_suite import FASTEST_REFERENCE, OWN_VALUE, Target, check_targets
 from profiling.timing import Timing, time_back_to_back, time_runs, time_side_by_side
 
+from .conftest import level_devices
+
 
 def test_spread_stays_within_the_samples():
     # Five samples far apart, as a busy machine gives: the deciles must not extrapolate past them.
@@ -343,7 +345,8 @@ def test_source_lines_cuts_a_function_from_one_marker_to_the_next_or_to_its_end(
 def test_the_layer_norm_host_path_is_timed_piece_by_piece():
     from profiling.host_path import layer_norm_pieces
 
-    rows = layer_norm_pieces("cpu", torch.float32, budget_s=0.01)  # interpreted kernels: a few calls each
+    # Where level 4 runs: interpreted kernels on the CPU (a few calls each), or compiled ones on a GPU machine.
+    rows = layer_norm_pieces(level_devices("triton")[0], torch.float32, budget_s=0.01)
     names = [what for what, _ in rows]
     assert names[:3] == ["4 Triton: forward with grad on", "4 Triton: forward + .backward()",
                          "1 native PyTorch: forward + .backward()"]
