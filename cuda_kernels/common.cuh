@@ -470,6 +470,31 @@ __device__ __forceinline__ MaxSum<Acc<T>> max_sum_of_pack(const Pack<T, kVec>& p
   return statistics;
 }
 
+// Copies n_packs 16-byte packs of x into shared memory (stage_slice) and returns the block's (max, sum)
+// of them, in every thread; each thread reads back only the packs it copied, and the block reduction's
+// barriers leave the whole staged slice readable by all (softmax.cu's staged kernels,
+// linear_cross_entropy.cu's staged rows).
+template <typename T>
+__device__ __forceinline__ MaxSum<Acc<T>> stage_and_reduce(const T* x_slice, T* staged, int n_packs) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  stage_slice<T>(x_slice, staged, n_packs);
+  MaxSum<A> mine;
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) mine.max = fmax(mine.max, to_acc(in.val[j]));
+  }
+  // A thread with no packs (or only -inf) shifts by 0: exp(-inf - 0) = 0, where exp(-inf + inf) is NaN.
+  const A shift = mine.max == A(-INFINITY) ? A(0) : mine.max;
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) mine.sum += exp_acc(to_acc(in.val[j]) - shift);
+  }
+  return block_reduce(mine, Merge{});  // a thread of only -inf gives (-inf, 0): merge's identity
+}
+
 // --- dtype switch --------------------------------------------------------------------------------
 // Calls fn(T{}) with T the C++ type of `dtype`; fn is a generic lambda that reads T back with decltype.
 template <typename Fn>

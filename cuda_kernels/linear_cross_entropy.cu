@@ -6,9 +6,12 @@
 //   grad_hidden  = grad_logits weight,  grad_weight = grad_logits^T hidden   (cuBLAS, in the binding)
 //
 // Kernels
-//   cross_entropy_rows_kernel       one block per row of a chunk of logits: pass 1 the row's online
-//                                   (max, sum of exp) and its loss term, pass 2 grad_logits written
-//                                   over the logits, in place
+//   cross_entropy_staged_rows_kernel  one block per row of a chunk of logits, rows of up to 112 KB in
+//                                   16-byte packs (GPT-2's 50304 words in bfloat16: 100 KB): the row
+//                                   copied into shared memory as it is read, its (max, sum of exp) and
+//                                   loss term from there, then grad_logits written over the logits
+//   cross_entropy_rows_kernel       the other rows: pass 1 the row's online (max, sum of exp) and its
+//                                   loss term, pass 2 re-reads the row and writes grad_logits, in place
 //   mean_loss_kernel                one block: the per-row loss terms summed in a fixed order, / n_valid
 //   scale_by_device_scalar_kernel   the backward: grad_hidden and grad_weight times the loss's gradient,
 //                                   read from device memory (no copy to the host, no wait)
@@ -19,8 +22,11 @@
 //   once. The binding instead takes chunk_rows tokens at a time (2^27 logits: 2560 rows, 258 MB, in 7
 //   chunks): cuBLAS writes the chunk's logits, this kernel turns them into their gradient in place, and
 //   the two gradient GEMMs read that gradient straight away, so the forward leaves grad_hidden (25 MB)
-//   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. Per logit, the row kernel
-//   reads it twice (the second time from L2: a 50304-value bfloat16 row is 100 KB) and writes it once.
+//   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. The row kernel moves each
+//   logit across DRAM once in and once out: it stages the row in shared memory while it reduces. Reading
+//   the row twice and hoping the second read hits L2 did not work: 132 SMs running 4 blocks of 100 KB rows
+//   keep 53 MB in flight, more than the L2 holds, so the logits came from DRAM twice (on an H200, 1.21 ms
+//   of a 7.5 ms step at GPT-2's size, where one read and one write of them take 0.77 ms).
 //   The row's statistics use softmax.cu's merge: each thread folds its values into a (max, sum of
 //   exp(x - max)) pair, pairs merge exactly, (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)), and
 //   the block's pairs meet in one block_reduce.
@@ -50,6 +56,21 @@ namespace {
 constexpr int kRowThreads = 512;
 constexpr int kPacksPerThread = 8;
 constexpr int kElementwiseThreads = 256;
+// The longest row the staged kernel holds in shared memory: two such blocks share an SM of Hopper (228 KB),
+// so one block's copies fly while the other reduces or writes. Longer rows (GPT-2's vocabulary in float32,
+// 201 KB) would leave one block an SM, idle for memory through each reduction: the two-pass kernel takes them.
+constexpr int64_t kStagedRowBytes = 112 * 1024;
+
+// The dynamic shared memory one block may ask for on the current GPU (227 KB on Hopper, 163 KB on an
+// A100, 99 KB on most consumer GPUs): a driver query, asked once per device.
+int shared_memory_per_block() {
+  return memoised_per_device([] {
+    int device = 0, bytes = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return bytes;
+  });
+}
 
 // Visits this thread's share of a row of n values: on_value(i) for the single values before the
 // row's first 16-byte boundary and after its last whole pack, on_pack(i) for the pack at i..i+kVec-1.
@@ -75,8 +96,69 @@ __device__ __forceinline__ A inverse_count(const int64_t* n_valid) {
   return count > 0 ? A(1) / A(count) : A(0);
 }
 
-// Ordinary loads and stores throughout: pass 1 leaves the row in L2 for pass 2, and the gradient that
-// pass 2 writes is the next GEMMs' input, which L2 may still hold when cuBLAS reads it.
+// A row whose target is ignore_index: a loss term of 0 and, with gradients, a gradient of zeros. The whole
+// block returns through here, so no barrier waits for a thread that left.
+template <typename T>
+__device__ __forceinline__ void ignore_row(T* row, int64_t n, Acc<T>* row_loss, bool write_gradient) {
+  constexpr int kVec = kVecOf<T>;
+  if (threadIdx.x == 0) *row_loss = Acc<T>(0);
+  if (!write_gradient) return;
+  for_each_in_row(
+      row, n, [&](int64_t i) { store_pack<T, kVec>(row + i, Pack<T, kVec>{}); }, [&](int64_t i) { row[i] = T{}; });
+}
+
+// grad_logits[i] = (exp(x_i - max) / sum - [i == target]) * scale, scale = 1 / n_valid: one multiply by
+// probability_scale per value, no division.
+template <typename T>
+struct LogitGradient {
+  using A = Acc<T>;
+  A max, probability_scale, scale;
+  int64_t target;
+
+  __device__ LogitGradient(MaxSum<A> total, A inverse_count, int64_t target)
+      : max(total.max), probability_scale(inverse_count / total.sum), scale(inverse_count), target(target) {}
+
+  __device__ __forceinline__ T operator()(A value, int64_t i) const {
+    return from_acc<T>(exp_acc(value - max) * probability_scale - (i == target ? scale : A(0)));
+  }
+};
+
+// The row staged in shared memory (common.cuh's stage_and_reduce, as softmax.cu's staged kernels): read
+// from DRAM once, reduced from shared memory, and the gradient computed from the staged copy. The
+// launcher sends only rows in whole 16-byte packs that start 16-byte aligned, and asks for n values of
+// dynamic shared memory.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads)
+cross_entropy_staged_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>* __restrict__ row_losses,
+                                 int64_t n, int64_t row_stride, int64_t ignore_index,
+                                 const int64_t* __restrict__ n_valid, bool write_gradient) {
+  using A = Acc<T>;
+  constexpr int kVec = kVecOf<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* staged = reinterpret_cast<T*>(shared_bytes);
+  T* row = logits + int64_t{blockIdx.x} * row_stride;
+  const int64_t target = targets[blockIdx.x];
+  if (target == ignore_index) return ignore_row(row, n, row_losses + blockIdx.x, write_gradient);
+  const int n_packs = static_cast<int>(n / kVec);
+  const MaxSum<A> total = stage_and_reduce<T>(row, staged, n_packs);
+  // A target outside the row fails the call once it is queued (the binding's range check); until then it
+  // reads nothing: the row's term is wrong, and the call will not return it.
+  const bool in_row = target >= 0 && target < n;
+  if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - (in_row ? to_acc(staged[target]) : A(0));
+  if (!write_gradient) return;
+  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid), target);
+  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
+    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
+    Pack<T, kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]), int64_t{pack} * kVec + j);
+    store_pack<T, kVec>(row + int64_t{pack} * kVec, out);
+  }
+}
+
+// The rows the staged kernel does not take (not in whole 16-byte packs, or longer than kStagedRowBytes), in
+// two passes with ordinary loads and stores: pass 2 re-reads the row, from L2 where it is still there, and
+// the gradient it writes is the next GEMMs' input, which L2 may still hold when cuBLAS reads it.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
 cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>* __restrict__ row_losses, int64_t n,
@@ -86,13 +168,7 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
   constexpr int kVec = kVecOf<T>;
   T* row = logits + int64_t{blockIdx.x} * row_stride;
   const int64_t target = targets[blockIdx.x];
-  if (target == ignore_index) {  // the whole block leaves here: no barrier waits for it
-    if (threadIdx.x == 0) row_losses[blockIdx.x] = A(0);
-    if (!write_gradient) return;
-    for_each_in_row(
-        row, n, [&](int64_t i) { store_pack<T, kVec>(row + i, Pack<T, kVec>{}); }, [&](int64_t i) { row[i] = T{}; });
-    return;
-  }
+  if (target == ignore_index) return ignore_row(row, n, row_losses + blockIdx.x, write_gradient);
   // Read before any thread can overwrite it: pass 2 starts after block_reduce's barriers. A target
   // outside the row fails the call once it is queued (the binding's range check); until then it reads
   // nothing: the row's term is wrong, and the call will not return it.
@@ -106,12 +182,7 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
   const MaxSum<A> total = block_reduce(mine, Merge{});
   if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;
   if (!write_gradient) return;
-  // (exp(x - max) / sum - [i == target]) * scale; one multiply by probability_scale, no division.
-  const A scale = inverse_count<A>(n_valid);
-  const A probability_scale = scale / total.sum;
-  const auto gradient = [&](A value, int64_t i) {
-    return from_acc<T>(exp_acc(value - total.max) * probability_scale - (i == target ? scale : A(0)));
-  };
+  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid), target);
   for_each_in_row(
       row, n,
       [&](int64_t i) {
@@ -165,7 +236,19 @@ void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     const int threads = std::min(kRowThreads, row_threads(n, kPacksPerThread * kVecOf<T>));
-    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (n % kVecOf<T> == 0 && aligned_16(logits) && row_stride * static_cast<int64_t>(sizeof(T)) % 16 == 0 &&
+        row_bytes <= std::min<int64_t>(kStagedRowBytes, shared_memory_per_block())) {
+      // Dynamic shared memory past 48 KB must be asked for, per kernel and per device: so at each launch.
+      cudaFuncSetAttribute(cross_entropy_staged_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(row_bytes));
+      cross_entropy_staged_rows_kernel<T><<<static_cast<unsigned>(rows), threads, row_bytes, s>>>(
+          static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, n_valid,
+          write_gradient);
+      return;
+    }
+    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, s>>>(
         static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, n_valid,
         write_gradient);
   });

@@ -120,28 +120,6 @@ __device__ __forceinline__ void write_probabilities(T* y_slice, int64_t n_packs,
   }
 }
 
-// Copies n_packs 16-byte packs of x into shared memory (common.cuh's stage_slice) and returns the
-// block's (max, sum) of them; each thread reads back only the packs it copied.
-template <typename T>
-__device__ __forceinline__ MaxSum<Acc<T>> stage_and_reduce(const T* x_slice, T* staged, int n_packs) {
-  using A = Acc<T>;
-  constexpr int kVec = kVecOf<T>;
-  stage_slice<T>(x_slice, staged, n_packs);
-  MaxSum<A> mine;
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) mine.max = fmax(mine.max, to_acc(in.val[j]));
-  }
-  const A shift = mine.max == A(-INFINITY) ? A(0) : mine.max;  // as in the warp kernel
-  for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
-    const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) mine.sum += exp_acc(to_acc(in.val[j]) - shift);
-  }
-  return block_reduce(mine, Merge{});  // a thread of only -inf gives (-inf, 0): merge's identity
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads)
 softmax_forward_shared_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {

@@ -423,6 +423,7 @@ def test_an_ncu_run_without_counters_records_why_instead_of_failing():
     ("void kernel_ladder::attention_forward_hopper_kernel<__nv_bfloat16, 64>(CUtensorMap, AttentionShape, float*)",
      "attention"),
     ("void kernel_ladder::cross_entropy_rows_kernel<__nv_bfloat16>(...)", "loss"),
+    ("void kernel_ladder::cross_entropy_staged_rows_kernel<__nv_bfloat16>(...)", "loss"),
     ("_cross_entropy_rows_kernel", "loss"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
      "namespace)::LogSoftMaxForwardEpilogue>", "loss"),
