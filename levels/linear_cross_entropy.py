@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import cuda_backend, inductor, torchscript, triton_backend
+from .backends import cuda_backend, inductor, liger_ops, torchscript, triton_backend
 from .spec import ComponentSpec, default_device_and_dtype, element_count
 
 GPT2_VOCABULARY = 50304
@@ -123,6 +123,27 @@ class LinearCrossEntropySpec(ComponentSpec):
         tokens = element_count(shape[:-1])
         matmul = 2 * tokens * self.n_embd * self.vocab_size
         return matmul * (3 if backward else 1) + 10 * tokens * self.vocab_size
+
+    def reference_modules(self, device=None) -> dict[str, nn.Module]:
+        """Liger-Kernel's fused linear cross-entropy, the design levels 4 and 5 follow, where it is installed and
+        ``device`` is a GPU. (PyTorch's own way, ``F.linear`` then ``F.cross_entropy``, is level 1 already.)"""
+        liger = liger_ops(device)
+        return {} if liger is None else {"Liger fused linear cross-entropy": _LigerLinearCrossEntropy(self, liger)}
+
+
+class _LigerLinearCrossEntropy(nn.Module):
+    """Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` on the spec's own weight, as a reference row: the
+    tokens flattened to (tokens, n_embd) rows, no bias, no class weights, the mean over the targets that are
+    not ``ignore_index``. Its first output is that loss, in float32; the others (a z-loss, an accuracy, the
+    predicted tokens) are None unless asked for."""
+
+    def __init__(self, spec: LinearCrossEntropySpec, liger):
+        super().__init__()
+        self.spec, self.function = spec, liger.LigerFusedLinearCrossEntropyFunction
+
+    def forward(self, hidden, targets):
+        rows = hidden.reshape(-1, self.spec.n_embd)
+        return self.function.apply(rows, self.spec.weight, targets.reshape(-1), None, None, self.spec.ignore_index)[0]
 
 
 def check_targets_in_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

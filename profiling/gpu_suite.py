@@ -46,6 +46,10 @@ Without --part every part runs in turn. Each part writes, under --out:
                              included
     targets-<part>.md        kernels, models, overhead: each target, its ratio in this run, met or missed
 
+Liger-Kernel's rows (its LayerNorm, RMSNorm, softmax and fused linear cross-entropy beside PyTorch's in the
+kernels, sweep and models parts) appear where ``liger_kernel`` imports. It is pure Python: on a machine without
+a network, bring its wheel (``pip download liger-kernel --no-deps``) and ``pip install --no-deps`` it first.
+
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
 same on any GPU; they live here, never in timed unit tests. Every ratio is of eager times (what a
 user gets); the CUDA-graph replay ratio stands beside it to show how much of a gap is launch overhead.

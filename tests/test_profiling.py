@@ -305,6 +305,32 @@ def test_liger_joins_the_reference_rows_where_it_is_installed(component, config,
         assert title not in levels.build(component, "native", normalized_shape=(2, 4)).reference_modules("cuda")
 
 
+def test_liger_fused_linear_cross_entropy_is_the_loss_reference_row_where_it_is_installed(monkeypatch):
+    import importlib
+    import types
+
+    calls = []
+
+    class RecordingFunction:
+        @staticmethod
+        def apply(*args):
+            calls.append(args)
+            return torch.tensor(1.5), None, None, None
+
+    module = importlib.import_module("levels.linear_cross_entropy")
+    spec = levels.build("linear_cross_entropy", "native", n_embd=8, vocab_size=16, ignore_index=-1)
+    assert spec.reference_modules("cpu") == {}  # no Liger on a CPU (nor, here, installed)
+    monkeypatch.setattr(module, "liger_ops",
+                        lambda device: types.SimpleNamespace(LigerFusedLinearCrossEntropyFunction=RecordingFunction))
+    references = spec.reference_modules("cuda")
+    assert list(references) == ["Liger fused linear cross-entropy"]
+    hidden, targets = torch.randn(2, 3, 8), torch.randint(0, 16, (2, 3))
+    assert references["Liger fused linear cross-entropy"](hidden, targets).item() == 1.5
+    (rows, weight, flat_targets, bias, class_weights, ignore_index), = calls
+    assert torch.equal(rows, hidden.reshape(6, 8)) and weight is spec.weight and torch.equal(flat_targets, targets.reshape(6))
+    assert bias is None and class_weights is None and ignore_index == -1
+
+
 def test_inductor_kernels_names_each_generated_kernel_and_cuts_its_definition():
     from profiling.lessons import inductor_kernels
 
