@@ -61,17 +61,6 @@ constexpr int kElementwiseThreads = 256;
 // 201 KB) would leave one block an SM, idle for memory through each reduction: the two-pass kernel takes them.
 constexpr int64_t kStagedRowBytes = 112 * 1024;
 
-// The dynamic shared memory one block may ask for on the current GPU (227 KB on Hopper, 163 KB on an
-// A100, 99 KB on most consumer GPUs): a driver query, asked once per device.
-int shared_memory_per_block() {
-  return memoised_per_device([] {
-    int device = 0, bytes = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    return bytes;
-  });
-}
-
 // Visits this thread's share of a row of n values: on_value(i) for the single values before the
 // row's first 16-byte boundary and after its last whole pack, on_pack(i) for the pack at i..i+kVec-1.
 // A 16-byte load from an address that is not a multiple of 16 faults: the head realigns a row that
@@ -154,6 +143,25 @@ cross_entropy_staged_rows_kernel(T* logits, const int64_t* __restrict__ targets,
     for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]), int64_t{pack} * kVec + j);
     store_pack<T, kVec>(row + int64_t{pack} * kVec, out);
   }
+}
+
+// The longest row the staged kernel takes on the current GPU: kStagedRowBytes, or less where a block may
+// have less shared memory (227 KB on Hopper, 163 KB on an A100, 99 KB on most consumer GPUs), less the
+// kernel's own static shared memory (block_reduce's). Driver queries, asked once per device; if one fails,
+// 0, and the two-pass kernel takes every row.
+template <typename T>
+int64_t staged_row_bytes_limit() {
+  return memoised_per_device([] {
+    int device = 0, per_block = 0;
+    cudaFuncAttributes attributes;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        cudaFuncGetAttributes(&attributes, cross_entropy_staged_rows_kernel<T>) != cudaSuccess) {
+      cudaGetLastError();  // clear it, so the next launch's check does not report it as its own
+      return int64_t{0};
+    }
+    return std::min<int64_t>(kStagedRowBytes, per_block - static_cast<int64_t>(attributes.sharedSizeBytes));
+  });
 }
 
 // The rows the staged kernel does not take (not in whole 16-byte packs, or longer than kStagedRowBytes), in
@@ -239,7 +247,7 @@ void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
     const auto s = static_cast<cudaStream_t>(stream);
     if (n % kVecOf<T> == 0 && aligned_16(logits) && row_stride * static_cast<int64_t>(sizeof(T)) % 16 == 0 &&
-        row_bytes <= std::min<int64_t>(kStagedRowBytes, shared_memory_per_block())) {
+        row_bytes <= staged_row_bytes_limit<T>()) {
       // Dynamic shared memory past 48 KB must be asked for, per kernel and per device: so at each launch.
       cudaFuncSetAttribute(cross_entropy_staged_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(row_bytes));

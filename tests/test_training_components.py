@@ -68,6 +68,27 @@ def test_the_fused_loss_reads_nothing_back_before_its_kernels_are_queued(level):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab_size,dtype,kernel", [
+    (50304, torch.bfloat16, "cross_entropy_staged_rows_kernel"),  # GPT-2's rows, 100 KB: staged in shared memory
+    (50304, torch.float32, "cross_entropy_rows_kernel"),  # 201 KB: longer than the staged kernel takes
+    (101, torch.bfloat16, "cross_entropy_rows_kernel"),  # not whole 16-byte packs
+])
+def test_level_5s_loss_stages_the_rows_that_fit_in_shared_memory(vocab_size, dtype, kernel):
+    """Which row kernel level 5 launches (linear_cross_entropy.cu): a GPT-2 row in bfloat16 read once into
+    shared memory, rows too long or not in whole packs in two passes. Both compute the same loss, so only the
+    kernel's name tells them apart."""
+    head = levels.build("linear_cross_entropy", "cuda", n_embd=64, vocab_size=vocab_size).to("cuda", dtype)
+    hidden = torch.randn(8, 64, device="cuda", dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab_size, (8,), device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        head(hidden, targets).backward()
+        torch.cuda.synchronize()
+    row_kernels = {event.key.split("<")[0].split("::")[-1] for event in profile.key_averages()
+                   if "cross_entropy" in event.key and "rows_kernel" in event.key}
+    assert row_kernels == {kernel}
+
+
 @pytest.mark.parametrize("level", levels.LEVELS)
 def test_targets_of_the_wrong_dtype_or_shape_are_refused(level):
     head = levels.build("linear_cross_entropy", level, **SMALL_HEAD)
