@@ -25,8 +25,8 @@
 //   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. The row kernel moves each
 //   logit across DRAM once in and once out: it stages the row in shared memory while it reduces. Reading
 //   the row twice and hoping the second read hits L2 did not work: 132 SMs running 4 blocks of 100 KB rows
-//   keep 53 MB in flight, more than the L2 holds, so the logits came from DRAM twice (on an H200, 1.21 ms
-//   of a 7.5 ms step at GPT-2's size, where one read and one write of them take 0.77 ms).
+//   keep 53 MB in flight, more than the L2 holds, so the logits came from DRAM twice (measured, before and
+//   after: profiling/results/h200/linear-cross-entropy-floor.md).
 //   The row's statistics use softmax.cu's merge: each thread folds its values into a (max, sum of
 //   exp(x - max)) pair, pairs merge exactly, (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)), and
 //   the block's pairs meet in one block_reduce.
