@@ -22,8 +22,8 @@
 //   once. The binding instead takes chunk_rows tokens at a time (2^27 logits: 2560 rows, 258 MB, in 7
 //   chunks): cuBLAS writes the chunk's logits, this kernel turns them into their gradient in place, and
 //   the two gradient GEMMs read that gradient straight away, so the forward leaves grad_hidden (25 MB)
-//   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. The row kernel moves each
-//   logit across DRAM once in and once out: it stages the row in shared memory while it reduces. Reading
+//   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. The staged row kernel moves
+//   each logit across DRAM once in and once out: it keeps the row in shared memory while it reduces. Reading
 //   the row twice and hoping the second read hits L2 did not work: 132 SMs running 4 blocks of 100 KB rows
 //   keep 53 MB in flight, more than the L2 holds, so the logits came from DRAM twice (measured, before and
 //   after: profiling/results/h200/linear-cross-entropy-floor.md).
@@ -245,18 +245,14 @@ void launch_cross_entropy_rows(DType dtype, void* logits, const int64_t* targets
     using T = decltype(zero);
     const int threads = std::min(kRowThreads, row_threads(n, kPacksPerThread * kVecOf<T>));
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
-    const auto s = static_cast<cudaStream_t>(stream);
-    if (n % kVecOf<T> == 0 && aligned_16(logits) && row_stride * static_cast<int64_t>(sizeof(T)) % 16 == 0 &&
-        row_bytes <= staged_row_bytes_limit<T>()) {
-      // Dynamic shared memory past 48 KB must be asked for, per kernel and per device: so at each launch.
-      cudaFuncSetAttribute(cross_entropy_staged_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(row_bytes));
-      cross_entropy_staged_rows_kernel<T><<<static_cast<unsigned>(rows), threads, row_bytes, s>>>(
-          static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, n_valid,
-          write_gradient);
-      return;
-    }
-    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(rows), threads, 0, s>>>(
+    // Both kernels take the same arguments; the staged one also n values of dynamic shared memory.
+    const bool staged = n % kVecOf<T> == 0 && aligned_16(logits) &&
+                        row_stride * static_cast<int64_t>(sizeof(T)) % 16 == 0 && row_bytes <= staged_row_bytes_limit<T>();
+    auto* kernel = staged ? &cross_entropy_staged_rows_kernel<T> : &cross_entropy_rows_kernel<T>;
+    const int shared_bytes = staged ? static_cast<int>(row_bytes) : 0;
+    // Dynamic shared memory past 48 KB must be asked for, per kernel and per device: so at each launch.
+    if (staged) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+    kernel<<<static_cast<unsigned>(rows), threads, shared_bytes, static_cast<cudaStream_t>(stream)>>>(
         static_cast<T*>(logits), targets, static_cast<Acc<T>*>(row_losses), n, row_stride, ignore_index, n_valid,
         write_gradient);
   });
