@@ -283,9 +283,26 @@ int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads
   return clusters;
 }
 
-// exp in the accumulator type. __expf is the hardware's exp2 unit (MUFU.EX2) after one multiply by
-// log2(e): a few ulp, without the ~20 instructions and slow-path branch of IEEE expf. Float64 keeps exp.
-__device__ __forceinline__ float exp_acc(float v) { return __expf(v); }
+// 2^x on the special-function unit (MUFU.EX2), one instruction; 2^-inf = 0. `.ftz` flushes results below
+// 2^-126 to zero. Without it (plain ex2.approx.f32, which __expf emits when nvcc runs without
+// --use_fast_math, as ours does) the compiler wraps the MUFU in a compare, two predicated multiplies and
+// so four instructions, to produce subnormal results no softmax or gradient here can tell from zero.
+// Instructions count in a memory-bound kernel too: an H100 SM issues 4 x 32 lane-instructions a clock
+// and receives about 16 bytes a clock at HBM speed, so a bfloat16 kernel that reads and writes each
+// value (4 bytes) has about 32 instructions a value to spend, and a softmax spends two exps a value.
+// The attention kernels fold log2(e) into the score scale, so exp(s) = 2^(s * log2 e) costs no multiply.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// exp in the accumulator type: 2^(v log2 e) (exp2_approx), a few ulp, without the ~20 instructions and
+// slow-path branch of IEEE expf. Float64 keeps exp.
+__device__ __forceinline__ float exp_acc(float v) { return exp2_approx(v * kLog2e); }
 __device__ __forceinline__ double exp_acc(double v) { return exp(v); }
 
 // --- asynchronous copies (cp.async, sm_80+) -------------------------------------------------------

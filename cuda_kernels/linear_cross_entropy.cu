@@ -96,19 +96,24 @@ __device__ __forceinline__ void ignore_row(T* row, int64_t n, Acc<T>* row_loss, 
       row, n, [&](int64_t i) { store_pack<T, kVec>(row + i, Pack<T, kVec>{}); }, [&](int64_t i) { row[i] = T{}; });
 }
 
-// grad_logits[i] = (exp(x_i - max) / sum - [i == target]) * scale, scale = 1 / n_valid: one multiply by
-// probability_scale per value, no division.
+// grad_logits[i] = (exp(x_i - max) / sum - [i == target]) * scale, scale = 1 / n_valid. The row loops write
+// every value's probability term (one multiply by probability_scale, no division) and test no index: the
+// loop's instructions are what limits it (common.cuh, exp2_approx), and a 64-bit compare and a select for
+// every value would serve one value a row. finish_target then writes that value again, with its -scale.
 template <typename T>
 struct LogitGradient {
   using A = Acc<T>;
   A max, probability_scale, scale;
-  int64_t target;
 
-  __device__ LogitGradient(MaxSum<A> total, A inverse_count, int64_t target)
-      : max(total.max), probability_scale(inverse_count / total.sum), scale(inverse_count), target(target) {}
+  __device__ LogitGradient(MaxSum<A> total, A inverse_count)
+      : max(total.max), probability_scale(inverse_count / total.sum), scale(inverse_count) {}
 
-  __device__ __forceinline__ T operator()(A value, int64_t i) const {
-    return from_acc<T>(exp_acc(value - max) * probability_scale - (i == target ? scale : A(0)));
+  __device__ __forceinline__ T operator()(A value) const { return from_acc<T>(exp_acc(value - max) * probability_scale); }
+
+  // After the loops: the barrier orders the loop's store of row[target], by whichever thread, before this one.
+  __device__ __forceinline__ void finish_target(T* row, int64_t target, bool in_row, A target_logit) const {
+    __syncthreads();
+    if (threadIdx.x == 0 && in_row) row[target] = from_acc<T>(exp_acc(target_logit - max) * probability_scale - scale);
   }
 };
 
@@ -133,16 +138,18 @@ cross_entropy_staged_rows_kernel(T* logits, const int64_t* __restrict__ targets,
   // A target outside the row fails the call once it is queued (the binding's range check); until then it
   // reads nothing: the row's term is wrong, and the call will not return it.
   const bool in_row = target >= 0 && target < n;
-  if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - (in_row ? to_acc(staged[target]) : A(0));
+  const A target_logit = in_row ? to_acc(staged[target]) : A(0);
+  if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;
   if (!write_gradient) return;
-  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid), target);
+  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid));
   for (int pack = threadIdx.x; pack < n_packs; pack += blockDim.x) {
     const Pack<T, kVec> in = load_pack<T, kVec>(staged + pack * kVec);
     Pack<T, kVec> out;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]), int64_t{pack} * kVec + j);
+    for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]));
     store_pack<T, kVec>(row + int64_t{pack} * kVec, out);
   }
+  gradient.finish_target(row, target, in_row, target_logit);
 }
 
 // The longest row the staged kernel takes on the current GPU: kStagedRowBytes, or less where a block may
@@ -190,17 +197,18 @@ cross_entropy_rows_kernel(T* logits, const int64_t* __restrict__ targets, Acc<T>
   const MaxSum<A> total = block_reduce(mine, Merge{});
   if (threadIdx.x == 0) row_losses[blockIdx.x] = log(total.sum) + total.max - target_logit;
   if (!write_gradient) return;
-  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid), target);
+  const LogitGradient<T> gradient(total, inverse_count<A>(n_valid));
   for_each_in_row(
       row, n,
       [&](int64_t i) {
         const Pack<T, kVec> in = load_pack<T, kVec>(row + i);
         Pack<T, kVec> out;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]), i + j);
+        for (int j = 0; j < kVec; ++j) out.val[j] = gradient(to_acc(in.val[j]));
         store_pack<T, kVec>(row + i, out);
       },
-      [&](int64_t i) { row[i] = gradient(to_acc(row[i]), i); });
+      [&](int64_t i) { row[i] = gradient(to_acc(row[i])); });
+  gradient.finish_target(row, target, in_row, target_logit);
 }
 
 // A few thousand loss terms: one block is enough, and one fixed order of additions gives the same

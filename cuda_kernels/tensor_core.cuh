@@ -202,17 +202,6 @@ __device__ __forceinline__ void a_fragment_from_accumulators(uint32_t (&a)[4], c
   a[3] = pack_pair<T>(right[2], right[3]);
 }
 
-// 2^x on the special-function unit (MUFU.EX2), one instruction; 2^-inf = 0. The kernels fold log2(e)
-// into the score scale, so exp(s) = 2^(s * log2 e) costs no extra multiply.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 // The online softmax's step for one row of a score tile, shared by the mma.sync and wgmma forward kernels,
 // whose accumulators have the C layout above (a thread holds columns 8 n + 2 (lane % 4) + e of two rows,
 // `half` 0 and 1; the quad of lanes holding a row holds all of it). s holds the tile's raw scores, -inf
