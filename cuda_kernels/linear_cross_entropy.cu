@@ -19,8 +19,8 @@
 // The one idea that makes it fast
 //   The logits are never whole in memory. At GPT-2's scale, 16384 tokens x 50304 vocabulary, they are
 //   1.65 GB in bfloat16, and an unfused loss keeps them and their gradient (another 1.65 GB) alive at
-//   once. The binding instead takes chunk_rows tokens at a time (2^27 logits: 2560 rows, 258 MB, in 7
-//   chunks): cuBLAS writes the chunk's logits, this kernel turns them into their gradient in place, and
+//   once. The binding instead takes chunk_rows tokens at a time (at most 2^28 logits: 4096 rows, 412 MB,
+//   in 4 chunks): cuBLAS writes the chunk's logits, this kernel turns them into their gradient in place, and
 //   the two gradient GEMMs read that gradient straight away, so the forward leaves grad_hidden (25 MB)
 //   and grad_weight (77 MB) behind and nothing of size tokens x vocabulary. The staged row kernel moves
 //   each logit across DRAM once in and once out: it keeps the row in shared memory while it reduces. Reading

@@ -17,8 +17,8 @@
 // whenever autograd will record the call, and its backward only multiplies them by the loss's gradient.
 // No valid token (every target ignored, or T = 0): loss 0 and zero gradients.
 //
-// chunk_rows is the number of tokens whose logits are in memory at once; 0 chooses about 2^27 logits
-// (kLogitsPerChunk). Tests pass a small count to run several chunks on tiny shapes.
+// chunk_rows is the number of tokens whose logits are in memory at once; 0 chooses equal chunks of at most
+// 2^28 logits (kLogitsPerChunk). Tests pass a small count to run several chunks on tiny shapes.
 //
 // Check
 //   python -m pytest tests -k "linear_cross_entropy and cuda"
@@ -29,9 +29,14 @@
 namespace kernel_ladder {
 namespace {
 
-// 2^27 logits a chunk: 256 MB in bfloat16, 2560 rows of GPT-2's 50304-token vocabulary, in whole
-// multiples of 128 rows, the height of cuBLAS's larger tiles, so only the last chunk has a partial tile.
-constexpr int64_t kLogitsPerChunk = int64_t{1} << 27;
+// At most 2^28 logits a chunk (512 MB in bfloat16), in equal chunks: GPT-2's 16384 tokens x 50304 make 4
+// chunks of 4096 rows, its 8192 make 2. Bigger chunks are faster, because the grad_hidden GEMM of a
+// 2560-row chunk (the earlier 2^27 logits) has 120 output tiles for 132 SMs: measured on an H200
+// (profiling/results/h200/README.md, the LM head's chunk sizes), 6.74 ms a call at 4096 rows against
+// 6.94 at 2560 and 6.71 at 8192, where the logits held at once are 0.41, 0.26 and 0.82 GB, and 8192 rows
+// would hold the 8192-token step's logits whole. Chunks are whole multiples of 128 rows, the height of
+// cuBLAS's larger tiles, so only the last chunk has a partial tile.
+constexpr int64_t kLogitsPerChunk = int64_t{1} << 28;
 constexpr int64_t kChunkRowMultiple = 128;
 // The vocabulary is padded to a multiple of 64 tokens (128 bytes in bfloat16) for the three GEMMs: the
 // weight gets zero rows up to the padded width, the logits buffer as many columns. With GPT-2's own
@@ -49,10 +54,11 @@ constexpr int64_t kLogitsRowAlignment = 64;
 int64_t choose_chunk_rows(int64_t tokens, int64_t vocabulary, int64_t requested) {
   int64_t rows = requested;
   if (rows == 0) {
-    rows = kLogitsPerChunk / vocabulary;
-    if (rows >= kChunkRowMultiple) rows = rows / kChunkRowMultiple * kChunkRowMultiple;
+    const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+    const int64_t chunks = std::max<int64_t>(1, ceil_div(tokens * vocabulary, kLogitsPerChunk));
+    rows = ceil_div(ceil_div(tokens, chunks), kChunkRowMultiple) * kChunkRowMultiple;
   }
-  return std::clamp<int64_t>(rows, 1, tokens);
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
 }
 
 void check_linear_cross_entropy(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
@@ -163,8 +169,8 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
     at::mm_out(chunk_grad_hidden, chunk_logits, w);
     // grad_weight adds up over the chunks in the input dtype: cuBLAS reads it, adds this chunk's product
     // in float32 and rounds once per chunk, where one GEMM over all tokens would round once. In bfloat16
-    // each rounding is at most 2^-8 relative; 7 chunks at GPT-2's 16384 tokens stay under 2.8 % even if
-    // all 7 went the same way, inside bfloat16's 4e-2 tolerance. A float32 accumulator would cost a
+    // each rounding is at most 2^-8 relative; 4 chunks at GPT-2's 16384 tokens stay under 1.6 % even if
+    // all 4 went the same way, inside bfloat16's 4e-2 tolerance. A float32 accumulator would cost a
     // (V, C) float32 tensor, and a bfloat16 product to add to it, per chunk.
     if (start == 0) {
       at::mm_out(grad_weight, chunk_logits.t(), chunk_hidden);

@@ -322,8 +322,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          chunk_rows: int = 0) -> torch.Tensor:
     """The mean cross-entropy of the logits hidden @ weight^T, hidden (T, C) and weight (V, C), against
     int64 targets (T,), over the tokens whose target is not ``ignore_index``; differentiable in hidden and
-    weight. The (T, V) logits are never whole in memory: ``chunk_rows`` tokens at a time (0 chooses about
-    2^27 logits a chunk). The gradients are made in the forward and kept in the autograd graph. The loss
+    weight. The (T, V) logits are never whole in memory: ``chunk_rows`` tokens at a time (0 chooses equal
+    chunks of at most 2^28 logits). The gradients are made in the forward and kept in the autograd graph. The loss
     is a 0-dim float32 tensor (float64 for float64 inputs); with no valid token it is 0, and the
     gradients are zeros."""
     return _linear_cross_entropy_forward(hidden, weight, targets, ignore_index, False, chunk_rows)[0]

@@ -89,6 +89,39 @@ def test_level_5s_loss_stages_the_rows_that_fit_in_shared_memory(vocab_size, dty
     assert row_kernels == {kernel}
 
 
+@pytest.mark.parametrize("tokens,chunks", [(8192, 2), (12288, 3), (16384, 4), (65536, 13)])
+def test_level_4_walks_gpt2s_tokens_in_equal_chunks_under_the_logits_budget(tokens, chunks):
+    """Level 4's chunking (triton_kernels/linear_cross_entropy.py; level 5's C++ makes the same choice):
+    the fewest chunks of at most LOGITS_PER_CHUNK logits, whole multiples of 128 rows, all but the last full.
+    GPT-2's training steps (8192 and 16384 tokens) never hold their logits whole."""
+    from triton_kernels.linear_cross_entropy import CHUNK_ROW_MULTIPLE, LOGITS_PER_CHUNK, choose_chunk_rows
+
+    vocabulary = 50304
+    rows = choose_chunk_rows(tokens, vocabulary)
+    assert rows % CHUNK_ROW_MULTIPLE == 0
+    assert (rows - CHUNK_ROW_MULTIPLE) * vocabulary < LOGITS_PER_CHUNK  # under the budget, but for rounding up
+    assert -(-tokens // rows) == chunks
+    assert choose_chunk_rows(300, 1000) == 300  # a small call is one chunk
+    assert choose_chunk_rows(tokens, vocabulary, requested=64) == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["triton", "cuda"])
+def test_gpt2s_8192_token_step_runs_the_loss_in_two_chunks(level):
+    """The row kernel runs once a chunk: the 8192-token step's logits (824 MB in bfloat16) in two chunks of 4096
+    rows at levels 4 and 5 alike."""
+    head = levels.build("linear_cross_entropy", level, n_embd=64, vocab_size=50304).to("cuda", torch.bfloat16)
+    hidden = torch.randn(8192, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50304, (8192,), device="cuda")
+    head(hidden, targets).backward()  # compiles level 4's kernels outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        head(hidden, targets).backward()
+        torch.cuda.synchronize()
+    row_kernel_launches = sum(event.count for event in profile.key_averages()
+                              if "cross_entropy" in event.key and "rows_kernel" in event.key)
+    assert row_kernel_launches == 2
+
+
 @pytest.mark.parametrize("level", levels.LEVELS)
 def test_targets_of_the_wrong_dtype_or_shape_are_refused(level):
     head = levels.build("linear_cross_entropy", level, **SMALL_HEAD)

@@ -49,7 +49,7 @@ import triton.language as tl
 from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_dim_message
 
 from .attention_tiles import padded_head_dim
-from .launch import check_inputs, compute_dtype, launch, on_device, require, split_float
+from .launch import check_inputs, compute_dtype, exp_on_sfu, launch, on_device, require, split_float
 
 DECODE_VALUES_PER_STEP = 64 * 128
 """Values of k per step of the loop: 64 keys × 128 dims is 8K values of k and as many of v in flight per
@@ -115,8 +115,8 @@ def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, group,
         k = tl.load(K + offsets, mask=visible[:, None] & in_row[None, :], other=0.0).to(COMPUTE)
         scores = tl.where(visible, tl.sum(k * q[None, :], axis=1), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        rescale = tl.exp(running_max - new_max)
-        p = tl.exp(scores - new_max)
+        rescale = exp_on_sfu(running_max - new_max)
+        p = exp_on_sfu(scores - new_max)
         v = tl.load(V + offsets, mask=visible[:, None] & in_row[None, :], other=0.0).to(COMPUTE)
         acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
         running_sum = running_sum * rescale + tl.sum(p, axis=0)
@@ -124,8 +124,8 @@ def _attention_decode_kernel(Q, KNew, VNew, K, V, Out, KeyLengths, heads, group,
     # the new key, from registers: it is always visible (the query is its own token)
     score = tl.sum(k_new.to(COMPUTE) * q, axis=0)
     new_max = tl.maximum(running_max, score)
-    rescale = tl.exp(running_max - new_max)
-    p = tl.exp(score - new_max)
+    rescale = exp_on_sfu(running_max - new_max)
+    p = exp_on_sfu(score - new_max)
     out = (acc * rescale + p * v_new.to(COMPUTE)) / (running_sum * rescale + p)
     tl.store(Out + sequence_head * HEAD_DIM + dims, out.to(Out.dtype.element_ty), mask=in_row)
 

@@ -315,6 +315,22 @@ bandwidth cooperatively against 63 % in two phases, softmax at the same length (
 
 
 @triton.jit
+def exp_on_sfu(x):
+    """e^x as 2^(x·log2 e), on the special-function unit in one instruction (MUFU.EX2). ``tl.exp`` computes
+    the same 2^(x·log2 e), but lowers to PTX's ``ex2.approx.f32``, whose subnormal-safe form ptxas turns
+    into four instructions (a compare and two predicated multiplies around the MUFU), where ``tl.exp2``
+    lowers to ``ex2.approx.ftz.f32``, one: results under 2^-126 become 0, which no softmax or gradient
+    here can tell apart. A memory-bound kernel counts instructions too: at HBM speed an H100 SM gets about
+    16 bytes a clock and issues 128 lane-instructions, so a bfloat16 softmax, which reads and writes 4
+    bytes a value and takes two exps of each, spends a large share of its budget on them. Float64 keeps
+    ``tl.exp``: its exp2 is no cheaper, and log2 e as a float32 constant would cost it precision."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def split_row_slice(row, piece, N, BLOCK_N: tl.constexpr):
     """The device side of ``"split"``: the columns of slice ``piece`` of ``row`` in an (rows, N) matrix,
     which of them are inside the row, and their offsets from the matrix's start. Offsets are 64-bit:

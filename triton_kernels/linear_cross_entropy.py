@@ -12,12 +12,12 @@ The one idea: the logits are never in memory whole
     At GPT-2 size (16384 tokens, V = 50304, C = 768, bfloat16) the logits are 16384 × 50304 × 2 B =
     1.65 GB, and unfused autograd holds three tensors of that size at its backward's peak (the saved
     log-softmax, its gradient and the logits' gradient): ~5 GB, more than the model, for a scalar.
-    Here the tokens are walked in chunks of ``choose_chunk_rows`` (2560 at that size: 7 chunks). Each chunk's
-    logits, 258 MB, are written by our matmul, read by a row kernel that turns them into the loss
+    Here the tokens are walked in chunks of ``choose_chunk_rows`` (4096 at that size: 4 chunks). Each chunk's
+    logits, 412 MB, are written by our matmul, read by a row kernel that turns them into the loss
     terms and writes the logits' gradient over them in place, and fed straight into the two gradient
     matmuls; the next chunk reuses the buffer. What lives at once: that buffer, the float32 weight
     gradient it is summed into (50304 × 768 × 4 B = 155 MB), grad_hidden (25 MB) and, at the end, the
-    weight gradient cast to bfloat16 (77 MB): ~0.51 GB at the peak. After the forward only the two
+    weight gradient cast to bfloat16 (77 MB): ~0.67 GB at the peak. After the forward only the two
     bfloat16 gradients (77 + 25 MB) stay for the backward.
 
 Kernels, in the order they run (per chunk, then once)
@@ -68,6 +68,7 @@ from .launch import (
     check_inputs,
     compute_dtype,
     elementwise_launch,
+    exp_on_sfu,
     launch,
     next_power_of_2,
     on_device,
@@ -76,10 +77,13 @@ from .launch import (
 from .matmul import Epilogue, launch_column_sum, launch_matmul
 from .softmax import row_max_and_sum_of_exp
 
-LOGITS_PER_CHUNK = 2**27
-"""Logits one chunk holds: 256 MB in bfloat16. Large enough that each of a chunk's matmuls at GPT-2
-size is ~200 GFLOP over ~1000 output tiles (the GPU stays full, and 7 chunks cost a few dozen
-launches), small enough that the logits cost a sixth of the 1.65 GB they would whole."""
+LOGITS_PER_CHUNK = 2**28
+"""The most logits one chunk holds: 512 MB in bfloat16. The tokens are cut into equal chunks under it:
+GPT-2's 16384 tokens at V = 50304 into 4 chunks of 4096 rows, its 8192 into 2, so even the 8192-token
+step never holds its logits whole. Bigger chunks are faster, because a chunk's grad_hidden matmul has
+only (rows / 128) × 6 output tiles for 132 SMs: measured on an H200 (profiling/results/h200/README.md,
+the LM head's chunk sizes), level 4 took 8.07 ms a call at 4096 rows against 8.50 at 2560 and 7.87 at
+8192 (0.98×, 0.93× and 1.00× torch.compile)."""
 
 CHUNK_ROW_MULTIPLE = 128
 """Chunks start on a multiple of 128 rows, the height of the large matmul tiles: only the last
@@ -143,10 +147,13 @@ def _check_target_range(op: str, summary: OnTheWayToHost, ignore_index: int, voc
 
 
 def choose_chunk_rows(tokens: int, vocabulary: int, requested: int = 0) -> int:
-    """Rows per chunk: ``requested`` if > 0 (tests walk small inputs in several chunks with it), else
-    LOGITS_PER_CHUNK logits rounded down to CHUNK_ROW_MULTIPLE rows; from 1 to ``tokens``."""
-    rows = requested or LOGITS_PER_CHUNK // vocabulary // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
-    return max(1, min(tokens, rows))
+    """Rows per chunk: ``requested`` if > 0 (tests walk small inputs in several chunks with it), else the
+    fewest equal chunks of at most LOGITS_PER_CHUNK logits, rounded up to CHUNK_ROW_MULTIPLE rows; from 1
+    to ``tokens``."""
+    if not requested:
+        chunks = max(1, cdiv(tokens * vocabulary, LOGITS_PER_CHUNK))
+        requested = cdiv(cdiv(tokens, chunks), CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
+    return max(1, min(tokens, requested))
 
 
 # --- kernels --------------------------------------------------------------------------------------------
@@ -175,7 +182,7 @@ def _cross_entropy_rows_kernel(Logits, Targets, RowLosses, NValid, V, row_stride
         for start in range(0, V, BLOCK_V):
             mask = start + cols < V
             x = tl.load(Logits + start + cols, mask=mask, other=0.0).to(COMPUTE)
-            gradient = (tl.exp(x - log_sum_exp) - tl.where(start + cols == target, 1.0, 0.0)) * scale
+            gradient = (exp_on_sfu(x - log_sum_exp) - tl.where(start + cols == target, 1.0, 0.0)) * scale
             tl.store(Logits + start + cols, gradient.to(Logits.dtype.element_ty), mask=mask)
 
 

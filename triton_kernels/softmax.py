@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from .eager import EagerFunction
-from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, launch, on_device, require, row_matrix,
-                     row_strategy, row_tile)
+from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, exp_on_sfu, launch, on_device, require,
+                     row_matrix, row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
@@ -90,7 +90,7 @@ def _softmax_fwd_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: t
     # n_rows (the last tile's tail) would be all −inf, and −inf − (−inf) is NaN: zeros there instead.
     x = tl.load(X + offsets, mask=mask, other=float("-inf")).to(COMPUTE)
     x = tl.where(row_mask[:, None], x, 0.0)
-    numerators = tl.exp(x - tl.max(x, axis=1)[:, None])
+    numerators = exp_on_sfu(x - tl.max(x, axis=1)[:, None])
     y = numerators * (1.0 / tl.sum(numerators, axis=1))[:, None]
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -113,10 +113,10 @@ def row_max_and_sum_of_exp(X, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
         # A lane that has seen only −inf still has maximum −inf: shift by 0 there, so that exp gives 0
         # instead of exp(−inf − (−inf)) = NaN.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
+        running_sum = running_sum * exp_on_sfu(running_max - shift) + exp_on_sfu(x - shift)
         running_max = new_max
     row_max = tl.max(running_max, axis=0)
-    return row_max, tl.sum(running_sum * tl.exp(running_max - row_max), axis=0)
+    return row_max, tl.sum(running_sum * exp_on_sfu(running_max - row_max), axis=0)
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(X + start + cols, mask=mask, other=0.0).to(COMPUTE)
-        y = tl.exp(x - row_max) * reciprocal_sum
+        y = exp_on_sfu(x - row_max) * reciprocal_sum
         tl.store(Y + start + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 

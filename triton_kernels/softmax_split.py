@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from . import launch as launch_settings  # SPLIT_BLOCK is read at each call: tests lower it
-from .launch import (ROW_ARRIVALS, arrive_and_wait, cdiv, compute_dtype, launch, launch_cooperative, next_power_of_2,
-                     on_device, split_row_partials, split_row_slice)
+from .launch import (ROW_ARRIVALS, arrive_and_wait, cdiv, compute_dtype, exp_on_sfu, launch, launch_cooperative,
+                     next_power_of_2, on_device, split_row_partials, split_row_slice)
 
 SPLIT_WARPS = 4  # as layer_norm_split.py: 32 values a thread for a 4096-element slice
 
@@ -46,7 +46,7 @@ def _store_slice_max_and_sum(x, PartialMax, PartialSum, row, piece, n_slices):
     shift = tl.where(slice_max == float("-inf"), 0.0, slice_max)
     slot = row.to(tl.int64) * n_slices + piece
     tl.store(PartialMax + slot, slice_max)
-    tl.store(PartialSum + slot, tl.sum(tl.exp(x - shift), axis=0))
+    tl.store(PartialSum + slot, tl.sum(exp_on_sfu(x - shift), axis=0))
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES
     maxima = tl.load(PartialMax + slots, mask=slice_mask, other=float("-inf"), cache_modifier=".cg")
     row_max = tl.max(maxima, axis=0)
     sums = tl.load(PartialSum + slots, mask=slice_mask, other=0.0, cache_modifier=".cg")
-    return row_max, 1.0 / tl.sum(tl.where(slice_mask, sums * tl.exp(maxima - row_max), 0.0), axis=0)
+    return row_max, 1.0 / tl.sum(tl.where(slice_mask, sums * exp_on_sfu(maxima - row_max), 0.0), axis=0)
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _softmax_fwd_split_normalize_kernel(X, Y, PartialMax, PartialSum, N, n_slice
     row_max, reciprocal_sum = _combine_row_max_and_sum(PartialMax, PartialSum, row, n_slices, BLOCK_SLICES)
     _, mask, offsets = split_row_slice(row, piece, N, BLOCK_N)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
-    tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offsets, (exp_on_sfu(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _softmax_fwd_cooperative_kernel(X, Y, PartialMax, PartialSum, Arrivals, n_ro
         # Streaming (.cs): y is not read here again, so its lines may leave L2 before the partials and
         # counters that the rows in flight still read (1-3 points of copy bandwidth on an H100:
         # profiling/results/h100/cooperative-grids.md).
-        tl.store(Y + offsets, (tl.exp(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask,
+        tl.store(Y + offsets, (exp_on_sfu(x - row_max) * reciprocal_sum).to(Y.dtype.element_ty), mask=mask,
                  cache_modifier=".cs")
 
 
