@@ -48,7 +48,9 @@ Without --part every part runs in turn. Each part writes, under --out:
 
 Liger-Kernel's rows (its LayerNorm, RMSNorm, softmax and fused linear cross-entropy beside PyTorch's in the
 kernels, sweep and models parts) appear where ``liger_kernel`` imports. It is pure Python: on a machine without
-a network, bring its wheel (``pip download liger-kernel --no-deps``) and ``pip install --no-deps`` it first.
+a network, bring its wheel (``pip download liger-kernel --no-deps``) and install it into the interpreter that runs the
+suite, ``python -m pip install --no-deps <wheel>``, first (a bare ``pip`` may belong to another Python: on an H200 on
+2026-11-29 its rows did not appear after one).
 
 Targets are ratios of rows measured side by side in one run (never absolute times), so they mean the
 same on any GPU; they live here, never in timed unit tests. Every ratio is of eager times (what a
