@@ -287,9 +287,9 @@ int resident_clusters(void (*kernel)(Params...), int cluster_blocks, int threads
 // 2^-126 to zero. Without it (plain ex2.approx.f32, which __expf emits when nvcc runs without
 // --use_fast_math, as ours does) the compiler wraps the MUFU in a compare, two predicated multiplies and
 // so four instructions, to produce subnormal results no softmax or gradient here can tell from zero.
-// Instructions count in a memory-bound kernel too: an H100 SM issues 4 x 32 lane-instructions a clock
-// and receives about 16 bytes a clock at HBM speed, so a bfloat16 kernel that reads and writes each
-// value (4 bytes) has about 32 instructions a value to spend, and a softmax spends two exps a value.
+// Instructions count in a memory-bound kernel too: an SM issues 4 x 32 lane-instructions a clock and, at
+// copy speed, receives 12 (H100) to 16 (H200) bytes a clock, so a bfloat16 kernel that reads and writes
+// each value (4 bytes) has 32 to 43 instructions a value to spend, and a softmax spends two exps a value.
 // The attention kernels fold log2(e) into the score scale, so exp(s) = 2^(s * log2 e) costs no multiply.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

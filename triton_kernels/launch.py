@@ -320,9 +320,9 @@ def exp_on_sfu(x):
     the same 2^(x·log2 e), but lowers to PTX's ``ex2.approx.f32``, whose subnormal-safe form ptxas turns
     into four instructions (a compare and two predicated multiplies around the MUFU), where ``tl.exp2``
     lowers to ``ex2.approx.ftz.f32``, one: results under 2^-126 become 0, which no softmax or gradient
-    here can tell apart. A memory-bound kernel counts instructions too: at HBM speed an H100 SM gets about
-    16 bytes a clock and issues 128 lane-instructions, so a bfloat16 softmax, which reads and writes 4
-    bytes a value and takes two exps of each, spends a large share of its budget on them. Float64 keeps
+    here can tell apart. A memory-bound kernel counts instructions too: at copy speed an SM receives 12
+    (H100) to 16 (H200) bytes a clock and issues 128 lane-instructions, so a bfloat16 softmax, which reads
+    and writes 4 bytes a value, has 32 to 43 instructions a value, and takes two exps of each. Float64 keeps
     ``tl.exp``: its exp2 is no cheaper, and log2 e as a float32 constant would cost it precision."""
     if x.dtype == tl.float64:
         return tl.exp(x)
