@@ -108,12 +108,14 @@ struct LogitGradient {
   __device__ LogitGradient(MaxSum<A> total, A inverse_count)
       : max(total.max), probability_scale(inverse_count / total.sum), scale(inverse_count) {}
 
-  __device__ __forceinline__ T operator()(A value) const { return from_acc<T>(exp_acc(value - max) * probability_scale); }
+  __device__ __forceinline__ A probability_term(A value) const { return exp_acc(value - max) * probability_scale; }
+
+  __device__ __forceinline__ T operator()(A value) const { return from_acc<T>(probability_term(value)); }
 
   // After the loops: the barrier orders the loop's store of row[target], by whichever thread, before this one.
   __device__ __forceinline__ void finish_target(T* row, int64_t target, bool in_row, A target_logit) const {
     __syncthreads();
-    if (threadIdx.x == 0 && in_row) row[target] = from_acc<T>(exp_acc(target_logit - max) * probability_scale - scale);
+    if (threadIdx.x == 0 && in_row) row[target] = from_acc<T>(probability_term(target_logit) - scale);
   }
 };
 

@@ -35,7 +35,8 @@ namespace {
 // (profiling/results/h200/README.md, the LM head's chunk sizes), 6.74 ms a call at 4096 rows against
 // 6.94 at 2560 and 6.71 at 8192, where the logits held at once are 0.41, 0.26 and 0.82 GB, and 8192 rows
 // would hold the 8192-token step's logits whole. Chunks are whole multiples of 128 rows, the height of
-// cuBLAS's larger tiles, so only the last chunk has a partial tile.
+// cuBLAS's larger tiles, so only the last chunk has a partial tile. Level 4 chooses the same chunks
+// (triton_kernels/linear_cross_entropy.py, choose_chunk_rows), so the two levels compare like for like.
 constexpr int64_t kLogitsPerChunk = int64_t{1} << 28;
 constexpr int64_t kChunkRowMultiple = 128;
 // The vocabulary is padded to a multiple of 64 tokens (128 bytes in bfloat16) for the three GEMMs: the

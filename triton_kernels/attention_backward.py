@@ -53,7 +53,6 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import (
-    LOG2E,
     AttentionTile,
     check_attention_shapes,
     head_rows,
@@ -69,6 +68,7 @@ from .attention_tiles import (
     wide_float_tile,
 )
 from .launch import (
+    LOG2E,
     SignatureTable,
     cdiv,
     check_inputs,

@@ -73,7 +73,6 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import (
-    LOG2E,
     AttentionTile,
     check_attention_shapes,
     attention_output_stride,
@@ -91,6 +90,7 @@ from .attention_tiles import (
     wide_float_tile,
 )
 from .launch import (
+    LOG2E,
     SignatureTable,
     accumulator_dtype,
     cdiv,

@@ -34,8 +34,6 @@ from cuda_kernels.limits import attention_head_dim_supported, unsupported_head_d
 
 from .launch import accumulator_dtype, check_contiguous, next_power_of_2, require
 
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
-
 ROW_ALIGNMENT = tl.constexpr(8)
 """Elements that every stride of an operand the kernels read in place is a multiple of (``readable``):
 16 bytes in 16-bit dtypes and more in wider ones, so rows load as 16-byte vectors (``head_rows``)."""

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from .attention_forward import launch_attention_fwd, merge_key_blocks
 from .attention_tiles import (
-    LOG2E,
     AttentionTile,
     check_attention_shapes,
     key_block_range,
@@ -52,6 +51,7 @@ from .attention_tiles import (
     wide_float_tile,
 )
 from .launch import (
+    LOG2E,
     accumulator_dtype,
     cdiv,
     check_contiguous,

@@ -83,7 +83,8 @@ GPT-2's 16384 tokens at V = 50304 into 4 chunks of 4096 rows, its 8192 into 2, s
 step never holds its logits whole. Bigger chunks are faster, because a chunk's grad_hidden matmul has
 only (rows / 128) × 6 output tiles for 132 SMs: measured on an H200 (profiling/results/h200/README.md,
 the LM head's chunk sizes), level 4 took 8.07 ms a call at 4096 rows against 8.50 at 2560 and 7.87 at
-8192 (0.98×, 0.93× and 1.00× torch.compile)."""
+8192 (0.98×, 0.93× and 1.00× torch.compile). Level 5's binding chooses the same chunks in C++
+(cuda_kernels/linear_cross_entropy_ops.cpp, choose_chunk_rows), so the two levels compare like for like."""
 
 CHUNK_ROW_MULTIPLE = 128
 """Chunks start on a multiple of 128 rows, the height of the large matmul tiles: only the last
