@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import levels as ladder
 from levels.spec import LEVEL_TITLES, resolve_level
 
-from .timing import peak_memory_mb, time_once
+from .timing import peak_memory_mb, quiet_compile_workers, time_once
 
 TEXT_PATH = Path(__file__).parent / "data" / "the_ladder_dialogue.txt"
 """A 10 kB dialogue written for this course (no download): what the lessons train the tiny GPT on."""
@@ -150,6 +150,7 @@ def timed_rows(models, work, tokens_per_call: int, device, repeats: int, descrip
             # A second untimed call: torch.compile compiles again once it sees a second shape (the
             # decode step's one query, the growing cache) and then generalises to dynamic shapes.
             work(model)
+            quiet_compile_workers()
             seconds = statistics.median(time_once(lambda: work(model), device) for _ in range(repeats))
             row["peak_memory_mb"] = peak_memory_mb(lambda: work(model), device)
         except Exception as error:  # a level that cannot run here says why in its row, the rest go on

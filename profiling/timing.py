@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -69,6 +70,21 @@ def kernels_launched(function: Callable[[], object], device: torch.device) -> fl
                and not event.name.startswith(("Memcpy", "Memset")))
 
 
+def quiet_compile_workers() -> None:
+    """Shut down torch.compile's pool of compile workers, if one is running, before anything is timed.
+
+    Inductor compiles its kernels in a pool of worker processes (one per host core) that its first
+    compile starts and then leaves waiting for the next, served by a thread in this process. While the
+    pool lives, every Python call here runs slower: on an H200 machine with 16 host cores, level 4's
+    LayerNorm spent 35-41 µs of host time a call for at least 12 s after one ``torch.compile`` call,
+    against 26-28 µs before it, or after it with ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool). A row
+    timed then, eagerly, reads the slower host as a slower kernel; a comparison timed in turns reads
+    it on every row whose calls the host bounds. The next compile starts a new pool."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None and async_compile._pool_set:
+        async_compile.shutdown_compile_workers()
+
+
 def time_once(function: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call, synchronised: what a first call (with its compile or build) costs."""
     synchronize(device)
@@ -87,6 +103,7 @@ def time_runs(function: Callable[[], object], device: torch.device, *, budget_s:
     """
     for _ in range(warmup_runs):
         function()
+    quiet_compile_workers()  # after the warm-up runs, which may have compiled
     estimate = max(time_once(function, device), 1e-7)
     runs = int(min(max_runs, max(min_runs, budget_s / estimate)))
     samples = seconds_per_run(function, device, runs)
@@ -116,6 +133,7 @@ def time_back_to_back(function: Callable[[], object], device: torch.device, *, b
     """
     for _ in range(warmup_runs):
         function()
+    quiet_compile_workers()  # after the warm-up runs, which may have compiled
     one_call = max(time_once(function, device), 1e-7)
     samples = int(min(max_samples, max(min_samples, budget_s / one_call)))
     calls = max(1, int(max(min_batch_s, budget_s / samples) / one_call))

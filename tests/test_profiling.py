@@ -112,6 +112,17 @@ def test_rows_are_timed_in_turns_and_each_keeps_its_own_samples(timer):
     assert len(timings["slow"].samples) >= 3 and timings["quick"].runs >= len(timings["quick"].samples)
 
 
+@pytest.mark.parametrize("timer", [time_runs, time_back_to_back])
+def test_torch_compiles_worker_pool_is_shut_down_before_anything_is_timed(timer):
+    # Inductor's pool of compile workers slows every Python call while it lives (timing.quiet_compile_workers).
+    from torch._inductor import async_compile
+
+    async_compile.AsyncCompile.process_pool()  # what torch.compile's first compile starts
+    assert async_compile._pool_set
+    timer(lambda: None, torch.device("cpu"), budget_s=0.01)
+    assert not async_compile._pool_set
+
+
 def test_one_query_over_a_cache_is_a_memory_bound_attention_case():
     spec = levels.build("attention", "native", causal=True)
     one_query = ((1, 12, 1, 64), (1, 12, 64, 64), (1, 12, 64, 64))
