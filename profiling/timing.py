@@ -71,7 +71,8 @@ def kernels_launched(function: Callable[[], object], device: torch.device) -> fl
 
 
 def quiet_compile_workers() -> None:
-    """Shut down torch.compile's pool of compile workers, if one is running, before anything is timed.
+    """Shut down torch.compile's pool of compile workers, if one is running, before anything is timed,
+    and compile in this process from then on.
 
     Inductor compiles its kernels in a pool of worker processes (one per host core) that its first
     compile starts and then leaves waiting for the next, served by a thread in this process. While the
@@ -79,10 +80,13 @@ def quiet_compile_workers() -> None:
     LayerNorm spent 35-41 µs of host time a call for at least 12 s after one ``torch.compile`` call,
     against 26-28 µs before it, or after it with ``TORCHINDUCTOR_COMPILE_THREADS=1`` (no pool). A row
     timed then, eagerly, reads the slower host as a slower kernel; a comparison timed in turns reads
-    it on every row whose calls the host bounds. The next compile starts a new pool."""
+    it on every row whose calls the host bounds. Why no new pool afterwards: a sweep compiles anew for
+    every shape, and with a pool started and shut down for each one the LayerNorm sweep (about 70 s
+    for both dtypes in an earlier call) had finished only its float32 half after 155 s."""
     async_compile = sys.modules.get("torch._inductor.async_compile")
     if async_compile is not None and async_compile._pool_set:
         async_compile.shutdown_compile_workers()
+        async_compile.config.compile_threads = 1
 
 
 def time_once(function: Callable[[], object], device: torch.device) -> float:

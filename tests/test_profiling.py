@@ -113,14 +113,17 @@ def test_rows_are_timed_in_turns_and_each_keeps_its_own_samples(timer):
 
 
 @pytest.mark.parametrize("timer", [time_runs, time_back_to_back])
-def test_torch_compiles_worker_pool_is_shut_down_before_anything_is_timed(timer):
+def test_torch_compiles_worker_pool_is_shut_down_before_anything_is_timed_and_not_started_again(timer, monkeypatch):
     # Inductor's pool of compile workers slows every Python call while it lives (timing.quiet_compile_workers).
-    from torch._inductor import async_compile
+    from torch._inductor import async_compile, config
 
+    monkeypatch.setattr(config, "compile_threads", 2)  # restored after the test, as quiet_compile_workers leaves it
     async_compile.AsyncCompile.process_pool()  # what torch.compile's first compile starts
     assert async_compile._pool_set
     timer(lambda: None, torch.device("cpu"), budget_s=0.01)
     assert not async_compile._pool_set
+    async_compile.AsyncCompile.warm_pool()  # what the next compile would start
+    assert not async_compile._pool_set and not async_compile.AsyncCompile.use_process_pool()
 
 
 def test_one_query_over_a_cache_is_a_memory_bound_attention_case():
