@@ -351,6 +351,39 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias.double(), 1e-5, True)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["layer_norm", "rms_norm"])
+def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, monkeypatch):
+    """Rows split across programs (layer_norm_split.SplitNormForwardLaunch) are kept per signature like a row
+    kernel's launch: the second call is not checked or planned again, and both match float64."""
+    layer_norm = importlib.import_module("triton_kernels.layer_norm")
+    launch_module = importlib.import_module("triton_kernels.launch")
+    for name, value in {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}.items():
+        monkeypatch.setattr(launch_module, name, value)
+    checked = []
+    check = layer_norm.check_norm_shapes
+    monkeypatch.setattr(layer_norm, "check_norm_shapes", lambda op, x, **kw: checked.append(op) or check(op, x, **kw))
+    monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", layer_norm.SignatureTable())
+    x = torch.randn(3, 5000, device=TRITON_DEVICE, dtype=torch.float64)  # 3 rows of 5 slices: "split"
+    weight, shift = (torch.randn(5000, device=TRITON_DEVICE, dtype=torch.float64) for _ in range(2))
+    op, bias_or_none = ("layer_norm_forward", shift) if bias else ("rms_norm_forward", None)
+    centered = x - x.mean(-1, keepdim=True) if bias else x
+    rstd = torch.rsqrt(centered.pow(2).mean(-1) + 1e-5)
+    expected = centered * rstd[:, None] * weight + (shift if bias else 0)
+    launch_module.row_tile.cache_clear()  # row_tile's answers depend on the settings
+    try:
+        assert launch_module.row_strategy(3, 5000, x, cooperative=True, loop_in_l2=True) == "split"
+        calls = [layer_norm.launch_norm_fwd(op, x, weight, bias_or_none, 1e-5, True) for _ in range(2)]
+    finally:
+        launch_module.row_tile.cache_clear()
+    assert checked == [op]
+    [plan] = layer_norm._NORM_FORWARD_LAUNCHES.values()
+    assert isinstance(plan, importlib.import_module("triton_kernels.layer_norm_split").SplitNormForwardLaunch)
+    for y, mean, kept_rstd in calls:
+        torch.testing.assert_close(y, expected)
+        torch.testing.assert_close(kept_rstd, rstd)
+        assert (mean is None) == (not bias)
+
+
 def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(monkeypatch):
     """LayerNorm's and RMSNorm's backward keep the row kernel's launch per signature
     (layer_norm_backward.launch_norm_bwd_unchecked): a repeat call is not planned again and still matches

@@ -83,7 +83,7 @@ from .launch import (
     split_float,
 )
 from .layer_norm_backward import launch_norm_bwd_unchecked
-from .layer_norm_split import launch_norm_fwd_split
+from .layer_norm_split import SplitNormForwardLaunch, allocate_norm_outputs
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
 
@@ -222,10 +222,8 @@ class NormForwardLaunch(NamedTuple):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """(y, mean, rstd) of inputs of this launch's signature, as ``launch_norm_fwd`` returns them."""
-        keep_statistics, subtract_mean = self.constants["STORE_STATISTICS"], self.constants["SUBTRACT_MEAN"]
-        out = torch.empty_like(x)
-        rstd = x.new_empty(self.rows, dtype=accumulator_dtype(x.dtype)) if keep_statistics else None
-        mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
+        subtract_mean = self.constants["SUBTRACT_MEAN"]
+        out, mean, rstd = allocate_norm_outputs(x, self.rows, self.constants["STORE_STATISTICS"], subtract_mean)
         # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
         with on_device(x):
             launch(self.kernel, self.grid, x, out, weight, bias if subtract_mean else weight,
@@ -241,8 +239,9 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
                     keep_statistics: bool):
     """The forward of both norms: LayerNorm, or RMSNorm when ``bias`` is None (no mean, no bias).
     Returns (y, mean, rstd); mean is None for RMSNorm, both statistics without ``keep_statistics``.
-    A signature (shapes, strides, dtypes, devices, eps) seen before by a row kernel skips its checks and
-    planning: they read nothing else."""
+    A signature (shapes, strides, dtypes, devices, eps) seen before skips its checks and planning, which
+    read nothing else: a row kernel's launch (``NormForwardLaunch``) or a split row's
+    (``layer_norm_split.SplitNormForwardLaunch``) is kept for it."""
     signature = (op, x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
                  weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
                  eps, keep_statistics)
@@ -253,16 +252,14 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     per_column = {"weight": weight, "bias": bias} if subtract_mean else {"weight": weight}
     rows, n = check_norm_shapes(op, x, per_column=per_column)
     check_inputs(op, x, *per_column.values())
-    strategy = row_strategy(rows, n, x, cooperative=True, loop_in_l2=True) if rows else None
-    if strategy in (None, "split", "cooperative"):
-        # No rows, or long rows on a GPU (or a few long ones) each split across programs: unplanned.
-        out = torch.empty_like(x)
-        rstd = torch.empty(rows, dtype=accumulator_dtype(x.dtype), device=x.device) if keep_statistics else None
-        mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
-        if rows:
-            launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n,
-                                  cooperative=strategy == "cooperative")
-        return out, mean, rstd
+    if rows == 0:  # nothing to launch, nothing to keep
+        return allocate_norm_outputs(x, rows, keep_statistics, subtract_mean)
+    strategy = row_strategy(rows, n, x, cooperative=True, loop_in_l2=True)
+    if strategy in ("split", "cooperative"):
+        # Long rows on a GPU (or a few long ones) each split across programs (layer_norm_split.py).
+        planned = SplitNormForwardLaunch.plan(x, rows, n, eps, subtract_mean, keep_statistics,
+                                              cooperative=strategy == "cooperative")
+        return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
     tile = L2_LOOPED_TILE if strategy == "looped_in_l2" else row_tile(n)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)

@@ -56,6 +56,8 @@ Check
     python -m pytest tests -k "strateg"
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -184,32 +186,60 @@ def _norm_fwd_cooperative_kernel(X, Y, W, B, PartialMean, PartialM2, Arrivals, M
                                 STORE_STATISTICS, SUBTRACT_MEAN, HAS_BIAS)
 
 
-def launch_norm_fwd_split(x, weight, bias, eps, out, mean, rstd, rows, n, cooperative=False):
-    """Fill ``out`` (and ``mean``, ``rstd`` unless None) for LayerNorm, or RMSNorm when ``bias`` is None;
-    ``layer_norm.launch_norm_fwd`` has checked and allocated everything. ``cooperative`` (a GPU only):
-    one launch that reads x once, when the GPU holds enough rows' slices at once
-    (``launch.launch_cooperative``); otherwise (and under the interpreter) the two phases."""
-    subtract_mean = bias is not None
-    block = launch_settings.SPLIT_BLOCK
-    slices = cdiv(n, block)
-    partial_m2 = torch.empty(rows, slices, dtype=accumulator_dtype(x.dtype), device=x.device)
-    partial_mean = torch.empty_like(partial_m2) if subtract_mean else partial_m2  # RMSNorm never reads it
-    keep_statistics = rstd is not None
-    # Pointers a kernel never reads: out stands in (see launch_norm_fwd).
-    mean_out, rstd_out, bias_in = (mean if mean is not None else out), (rstd if keep_statistics else out), (
-        bias if subtract_mean else weight)
-    flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, num_warps=SPLIT_WARPS)
-    normalize_flags = dict(BLOCK_SLICES=next_power_of_2(slices), STORE_STATISTICS=keep_statistics,
-                           HAS_BIAS=subtract_mean, **flags)
-    with on_device(x):
-        if cooperative:
-            args = (x, out, weight, bias_in, partial_mean, partial_m2, ROW_ARRIVALS, mean_out, rstd_out, rows, n, slices,
-                    *split_float(eps))
-            if launch_cooperative(_norm_fwd_cooperative_kernel, rows, slices, *args, **normalize_flags):
-                return
-        launch(_norm_fwd_split_statistics_kernel, (rows, slices), x, partial_mean, partial_m2, n, slices, **flags)
-        launch(_norm_fwd_split_normalize_kernel, (rows, slices), x, out, weight, bias_in, partial_mean, partial_m2,
-               mean_out, rstd_out, n, slices, *split_float(eps), **normalize_flags)
+def allocate_norm_outputs(x: torch.Tensor, rows: int, keep_statistics: bool, subtract_mean: bool):
+    """(y, mean, rstd) for a norm's forward on x: y like x; rstd (and LayerNorm's mean) a float32 (float64)
+    value a row, or None where no backward will read them (inference; RMSNorm has no mean)."""
+    rstd = x.new_empty(rows, dtype=accumulator_dtype(x.dtype)) if keep_statistics else None
+    mean = torch.empty_like(rstd) if keep_statistics and subtract_mean else None
+    return torch.empty_like(x), mean, rstd
+
+
+class SplitNormForwardLaunch(NamedTuple):
+    """One forward of LayerNorm, or RMSNorm, over rows split across programs, for one signature of its
+    inputs: ``layer_norm.NormForwardLaunch``'s twin for the ``"split"`` and ``"cooperative"`` strategies,
+    which ``layer_norm.launch_norm_fwd`` keeps per signature as it keeps that one. A call allocates y, the
+    statistics and the (rows, slices) partial buffers, and launches. ``cooperative`` (a GPU only): one launch
+    that reads x once, when the GPU holds enough rows' slices at once, which ``launch.launch_cooperative``
+    asks at each call (it depends on the buffers' alignment too); otherwise, and under the interpreter, the
+    two phases."""
+
+    rows: int
+    scalars: tuple  # (N, n_slices): the kernels' sizes
+    eps: tuple  # split_float(eps)
+    cooperative: bool
+    flags: dict  # the statistics kernel's constants
+    normalize_flags: dict  # the normalising (and cooperative) kernels' constants
+
+    @classmethod
+    def plan(cls, x: torch.Tensor, rows: int, n: int, eps: float, subtract_mean: bool, keep_statistics: bool,
+             cooperative: bool) -> "SplitNormForwardLaunch":
+        block = launch_settings.SPLIT_BLOCK
+        slices = cdiv(n, block)
+        flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, num_warps=SPLIT_WARPS)
+        normalize_flags = dict(BLOCK_SLICES=next_power_of_2(slices), STORE_STATISTICS=keep_statistics,
+                               HAS_BIAS=subtract_mean, **flags)
+        return cls(rows, (n, slices), split_float(eps), cooperative, flags, normalize_flags)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """(y, mean, rstd) of inputs of this launch's signature, as ``layer_norm.launch_norm_fwd`` returns them."""
+        subtract_mean = self.flags["SUBTRACT_MEAN"]
+        out, mean, rstd = allocate_norm_outputs(x, self.rows, self.normalize_flags["STORE_STATISTICS"], subtract_mean)
+        partial_m2 = x.new_empty((self.rows, self.scalars[1]), dtype=accumulator_dtype(x.dtype))
+        partial_mean = torch.empty_like(partial_m2) if subtract_mean else partial_m2  # RMSNorm never reads it
+        # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
+        mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
+        bias_in = bias if subtract_mean else weight
+        with on_device(x):
+            if self.cooperative and launch_cooperative(
+                    _norm_fwd_cooperative_kernel, self.rows, self.scalars[1], x, out, weight, bias_in, partial_mean,
+                    partial_m2, ROW_ARRIVALS, mean_out, rstd_out, self.rows, *self.scalars, *self.eps,
+                    **self.normalize_flags):
+                return out, mean, rstd
+            launch(_norm_fwd_split_statistics_kernel, (self.rows, self.scalars[1]), x, partial_mean, partial_m2,
+                   *self.scalars, **self.flags)
+            launch(_norm_fwd_split_normalize_kernel, (self.rows, self.scalars[1]), x, out, weight, bias_in,
+                   partial_mean, partial_m2, mean_out, rstd_out, *self.scalars, *self.eps, **self.normalize_flags)
+        return out, mean, rstd
 
 
 # --- backward ----------------------------------------------------------------------------------------

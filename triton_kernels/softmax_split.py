@@ -104,7 +104,7 @@ def _softmax_fwd_cooperative_kernel(X, Y, PartialMax, PartialSum, Arrivals, n_ro
 
 def launch_softmax_fwd_split(x: torch.Tensor, out: torch.Tensor, rows: int, n: int, cooperative: bool = False) -> None:
     """Fill ``out`` with softmax(x) over rows of ``n``; ``softmax.py`` has checked and allocated.
-    ``cooperative``: one launch reading x once, as ``layer_norm_split.launch_norm_fwd_split`` decides."""
+    ``cooperative``: one launch reading x once, as ``layer_norm_split.SplitNormForwardLaunch`` decides."""
     block = launch_settings.SPLIT_BLOCK
     slices = cdiv(n, block)
     statistics_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
