@@ -87,8 +87,10 @@ def quiet_compile_workers() -> None:
     # The pool set and its shutdown are Inductor internals (torch 2.11, on the H200, and 2.13 have both);
     # where they are missing, nothing is shut down and timing goes on.
     if async_compile is not None and getattr(async_compile, "_pool_set", None):
+        from torch._inductor import config as inductor_config
+
         async_compile.shutdown_compile_workers()
-        async_compile.config.compile_threads = 1
+        inductor_config.compile_threads = 1
 
 
 def time_once(function: Callable[[], object], device: torch.device) -> float:

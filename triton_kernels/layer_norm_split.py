@@ -203,7 +203,7 @@ class SplitNormForwardLaunch(NamedTuple):
     asks at each call (it depends on the buffers' alignment too); otherwise, and under the interpreter, the
     two phases."""
 
-    rows: int
+    grid: tuple[int, int]  # (rows, n_slices): one program a slice, in two phases
     scalars: tuple  # (N, n_slices): the kernels' sizes
     eps: tuple  # split_float(eps)
     cooperative: bool
@@ -218,27 +218,27 @@ class SplitNormForwardLaunch(NamedTuple):
         flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean, num_warps=SPLIT_WARPS)
         normalize_flags = dict(BLOCK_SLICES=next_power_of_2(slices), STORE_STATISTICS=keep_statistics,
                                HAS_BIAS=subtract_mean, **flags)
-        return cls(rows, (n, slices), split_float(eps), cooperative, flags, normalize_flags)
+        return cls((rows, slices), (n, slices), split_float(eps), cooperative, flags, normalize_flags)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """(y, mean, rstd) of inputs of this launch's signature, as ``layer_norm.launch_norm_fwd`` returns them."""
+        rows, slices = self.grid
         subtract_mean = self.flags["SUBTRACT_MEAN"]
-        out, mean, rstd = allocate_norm_outputs(x, self.rows, self.normalize_flags["STORE_STATISTICS"], subtract_mean)
-        partial_m2 = x.new_empty((self.rows, self.scalars[1]), dtype=accumulator_dtype(x.dtype))
+        out, mean, rstd = allocate_norm_outputs(x, rows, self.normalize_flags["STORE_STATISTICS"], subtract_mean)
+        partial_m2 = x.new_empty(self.grid, dtype=accumulator_dtype(x.dtype))
         partial_mean = torch.empty_like(partial_m2) if subtract_mean else partial_m2  # RMSNorm never reads it
         # Pointers a kernel never reads (statistics it does not store, RMSNorm's mean and bias): out stands in.
         mean_out, rstd_out = (mean if mean is not None else out), (rstd if rstd is not None else out)
         bias_in = bias if subtract_mean else weight
         with on_device(x):
             if self.cooperative and launch_cooperative(
-                    _norm_fwd_cooperative_kernel, self.rows, self.scalars[1], x, out, weight, bias_in, partial_mean,
-                    partial_m2, ROW_ARRIVALS, mean_out, rstd_out, self.rows, *self.scalars, *self.eps,
-                    **self.normalize_flags):
+                    _norm_fwd_cooperative_kernel, rows, slices, x, out, weight, bias_in, partial_mean, partial_m2,
+                    ROW_ARRIVALS, mean_out, rstd_out, rows, *self.scalars, *self.eps, **self.normalize_flags):
                 return out, mean, rstd
-            launch(_norm_fwd_split_statistics_kernel, (self.rows, self.scalars[1]), x, partial_mean, partial_m2,
-                   *self.scalars, **self.flags)
-            launch(_norm_fwd_split_normalize_kernel, (self.rows, self.scalars[1]), x, out, weight, bias_in,
-                   partial_mean, partial_m2, mean_out, rstd_out, *self.scalars, *self.eps, **self.normalize_flags)
+            launch(_norm_fwd_split_statistics_kernel, self.grid, x, partial_mean, partial_m2, *self.scalars,
+                   **self.flags)
+            launch(_norm_fwd_split_normalize_kernel, self.grid, x, out, weight, bias_in, partial_mean, partial_m2,
+                   mean_out, rstd_out, *self.scalars, *self.eps, **self.normalize_flags)
         return out, mean, rstd
 
 
