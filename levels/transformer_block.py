@@ -131,9 +131,10 @@ class _PyTorchTransformerBlock(nn.Module):
     def __init__(self, spec: TransformerBlockSpec, device=None):
         super().__init__()
         self.spec = spec
-        (self.ln_1,) = spec.ln_1.reference_modules(device).values()
+        # PyTorch's own norm by name: where Liger-Kernel is installed, the norm has a second reference row.
+        _, self.ln_1 = spec.ln_1.pytorch_reference()
         (self.attn,) = spec.attn.reference_modules(device).values()
-        (self.ln_2,) = spec.ln_2.reference_modules(device).values()
+        _, self.ln_2 = spec.ln_2.pytorch_reference()
         (self.mlp,) = spec.mlp.reference_modules(device).values()
 
     def forward(self, x):

@@ -319,6 +319,19 @@ def test_liger_joins_the_reference_rows_where_it_is_installed(component, config,
         assert title not in levels.build(component, "native", normalized_shape=(2, 4)).reference_modules("cuda")
 
 
+def test_the_transformer_blocks_reference_keeps_pytorchs_own_layer_norm_where_liger_is_installed(monkeypatch):
+    import importlib
+    import types
+
+    fake_liger = types.SimpleNamespace(LigerLayerNormFunction=None)
+    monkeypatch.setattr(importlib.import_module("levels.layer_norm"), "liger_ops", lambda device: fake_liger)
+    block = levels.build("transformer_block", "native", n_embd=16, n_head=2)
+    (reference,) = block.reference_modules("cuda").values()
+    assert [type(norm).__name__ for norm in (reference.ln_1, reference.ln_2)] == ["_PyTorchFusedLayerNorm"] * 2
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(reference(x), block(x))
+
+
 def test_liger_fused_linear_cross_entropy_is_the_loss_reference_row_where_it_is_installed(monkeypatch):
     import importlib
     import types
