@@ -384,6 +384,50 @@ def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, monkeypatch):
         assert (mean is None) == (not bias)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["layer_norm", "rms_norm"])
+def test_a_norm_backward_over_split_rows_is_planned_once_too(bias, monkeypatch):
+    """The backward over rows split across programs (layer_norm_backward.SplitNormBackwardRows) is kept per
+    signature like the row kernel's: the second call plans neither the split nor its column reduction
+    again, and both calls' gradients match float64 autograd."""
+    backward = importlib.import_module("triton_kernels.layer_norm_backward")
+    layer_norm = importlib.import_module("triton_kernels.layer_norm")
+    for name, value in {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}.items():
+        monkeypatch.setattr(launch_module, name, value)
+    monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", layer_norm.SignatureTable())
+    monkeypatch.setattr(backward, "_NORM_BACKWARD_LAUNCHES", backward.SignatureTable())
+    planned = []
+    for name in ("_column_reduction_plan", "row_strategy"):
+        original = getattr(backward, name)
+        monkeypatch.setattr(backward, name, lambda *args, _original=original, _name=name, **kw:
+                            planned.append(_name) or _original(*args, **kw))
+    x = torch.randn(3, 5000, device=TRITON_DEVICE, dtype=torch.float64)  # 3 rows of 5 slices: "split"
+    weight, shift = (torch.randn(5000, device=TRITON_DEVICE, dtype=torch.float64) for _ in range(2))
+    grad_out = torch.randn_like(x)
+    launch_module.row_tile.cache_clear()  # row_tile's answers depend on the settings
+    try:
+        op = "layer_norm_forward" if bias else "rms_norm_forward"
+        _, mean, rstd = layer_norm.launch_norm_fwd(op, x, weight, shift if bias else None, 1e-5, True)
+        calls = [backward.launch_norm_bwd_unchecked(grad_out, x, weight, mean, rstd) for _ in range(2)]
+    finally:
+        launch_module.row_tile.cache_clear()
+    assert planned == ["row_strategy", "_column_reduction_plan"]
+    [plan] = backward._NORM_BACKWARD_LAUNCHES.values()
+    assert isinstance(plan, backward.SplitNormBackwardRows)
+    inputs = [tensor.detach().clone().requires_grad_() for tensor in (x, weight, shift)]
+    if bias:
+        expected = torch.nn.functional.layer_norm(inputs[0], (5000,), inputs[1], inputs[2], 1e-5)
+    else:
+        expected = torch.nn.functional.rms_norm(inputs[0], (5000,), inputs[1], 1e-5)
+    expected.backward(grad_out)
+    for grad_x, grad_weight, grad_bias in calls:
+        torch.testing.assert_close(grad_x, inputs[0].grad)
+        torch.testing.assert_close(grad_weight, inputs[1].grad)
+        if bias:
+            torch.testing.assert_close(grad_bias, inputs[2].grad)
+        else:
+            assert grad_bias is None
+
+
 def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(monkeypatch):
     """LayerNorm's and RMSNorm's backward keep the row kernel's launch per signature
     (layer_norm_backward.launch_norm_bwd_unchecked): a repeat call is not planned again and still matches

@@ -40,7 +40,7 @@ from .launch import (
     row_strategy,
     row_tile,
 )
-from .layer_norm_split import launch_norm_bwd_split
+from .layer_norm_split import SplitNormBackwardLaunch
 
 BACKWARD_WARPS_PER_SM = 8
 """How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
@@ -150,6 +150,30 @@ class NormBackwardLaunch(NamedTuple):
         return grad_x, grad_weight, grad_bias
 
 
+class SplitNormBackwardRows(NamedTuple):
+    """One backward of a norm over rows split across programs, for one signature of its inputs:
+    ``layer_norm_split.SplitNormBackwardLaunch`` fills grad_x and the partial dw, db rows, and the column
+    reduction sums them, planned once for each number of partial rows it meets (the two phases' groups,
+    or the rows a cooperative grid holds at once)."""
+
+    split: SplitNormBackwardLaunch
+    reductions: dict  # partial rows -> (grid, constants) of the column reduction
+
+    def __call__(self, grad_out, x, weight, mean, rstd):
+        subtract_mean = mean is not None
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.empty_like(weight)
+        grad_bias = torch.empty_like(weight) if subtract_mean else None
+        partial_dw, partial_db = self.split(grad_out, x, weight, mean, rstd, grad_x)
+        reduction = self.reductions.get(partial_dw.shape[0])
+        if reduction is None:
+            reduction = self.reductions[partial_dw.shape[0]] = _column_reduction_plan(
+                x, self.split.n, partial_dw.shape[0], subtract_mean)
+        with on_device(x):
+            _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, self.split.n, *reduction)
+        return grad_x, grad_weight, grad_bias
+
+
 _NORM_BACKWARD_LAUNCHES = SignatureTable()
 
 
@@ -158,30 +182,23 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
     """The backward of both norms, without checks (see ``triton_kernels/__init__.py``): LayerNorm's
     (grad_x, grad_weight, grad_bias), or RMSNorm's (grad_x, grad_weight, None) when ``mean`` is None.
     x, weight and the statistics as the forward saved them, grad_out contiguous. A signature seen
-    before by the row kernel skips its planning: it reads nothing else."""
+    before skips its planning, by the row kernel or over split rows: it reads nothing else."""
     subtract_mean = mean is not None
     signature = (x.shape, x.dtype, x.device, subtract_mean)
     planned = _NORM_BACKWARD_LAUNCHES.get(signature)
     if planned is not None:
         return planned(grad_out, x, weight, mean, rstd)
     rows, n = row_matrix("layer_norm_backward" if subtract_mean else "rms_norm_backward", x)
-    # Rows too long for registers: each split across programs, on a cooperative grid in float32 on a GPU
-    # (bfloat16's measured slower there: layer_norm_split.launch_norm_bwd_split says why). Unplanned.
-    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32) if rows else None
-    if strategy in (None, "looped", "split", "cooperative"):
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.empty_like(weight)
-        grad_bias = torch.empty_like(weight) if subtract_mean else None
-        if rows == 0:
-            return grad_x, grad_weight.zero_(), (grad_bias.zero_() if subtract_mean else None)
-        partial_dw, partial_db = launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n,
-                                                       cooperative=strategy == "cooperative")
-        with on_device(x):
-            _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, n,
-                                     *_column_reduction_plan(x, n, partial_dw.shape[0], subtract_mean))
-        return grad_x, grad_weight, grad_bias
-    planned = _NORM_BACKWARD_LAUNCHES.keep(signature, _plan_norm_bwd_rows(x, rows, n, subtract_mean))
-    return planned(grad_out, x, weight, mean, rstd)
+    if rows == 0:
+        grad_bias = torch.zeros_like(weight) if subtract_mean else None
+        return torch.empty_like(x), torch.zeros_like(weight), grad_bias
+    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32)
+    if strategy in ("looped", "split", "cooperative"):
+        plan = SplitNormBackwardRows(
+            SplitNormBackwardLaunch.plan(x, rows, n, subtract_mean, cooperative=strategy == "cooperative"), {})
+    else:
+        plan = _plan_norm_bwd_rows(x, rows, n, subtract_mean)
+    return _NORM_BACKWARD_LAUNCHES.keep(signature, plan)(grad_out, x, weight, mean, rstd)
 
 
 def _plan_norm_bwd_rows(x: torch.Tensor, rows: int, n: int, subtract_mean: bool) -> NormBackwardLaunch:

@@ -361,50 +361,67 @@ def _store_partial_gradients(dw, db, PartialDW, PartialDB, group, N, cols, mask,
         tl.store(PartialDB + partial, db, mask=mask)
 
 
-def launch_norm_bwd_split(grad_out, x, weight, mean, rstd, grad_x, rows, n, cooperative=False):
-    """Fill ``grad_x`` and return the (groups, n) partial dw and db buffers (db: None for RMSNorm, whose
-    ``mean`` is None) that ``layer_norm.launch_norm_bwd_unchecked`` reduces over their rows.
+class SplitNormBackwardLaunch(NamedTuple):
+    """One backward of LayerNorm, or RMSNorm, over rows split across programs, for one signature of its
+    inputs: ``SplitNormForwardLaunch``'s twin, which ``layer_norm_backward.launch_norm_bwd_unchecked`` keeps
+    per signature beside its row kernel's plans. A call fills ``grad_x`` and returns the (groups, n)
+    partial dw and db buffers (db: None for RMSNorm) that the backward's column reduction sums.
 
     ``cooperative`` (a GPU only; the backward's launcher asks it in float32): one launch that reads x and
-    dy once, when the GPU holds enough rows' slices at once (``launch.cooperative_rows_at_once``; its
-    groups are the rows at once); otherwise the two phases. (bfloat16 stays in two phases: a slice in
-    registers is half the bytes, too few in flight per SM while the programs wait, and on an H100 the
-    grid ran rows of 131,072 slower than the two phases did: profiling/results/h100/cooperative-grids.md.)"""
-    subtract_mean = mean is not None
-    block = launch_settings.SPLIT_BLOCK
-    slices = cdiv(n, block)
-    statistics_dtype = accumulator_dtype(x.dtype)
-    partial_x_hat_g = torch.empty(rows, slices, dtype=statistics_dtype, device=x.device)
-    partial_g = torch.empty_like(partial_x_hat_g) if subtract_mean else partial_x_hat_g  # RMSNorm never reads it
-    mean_in = mean if subtract_mean else rstd  # a pointer RMSNorm's kernels never read
-    # enable_fp_fusion=False in both phases: dx's cancellation needs the g = dy·w that phase 1 sums to be
-    # the rounded g that phase 2 subtracts from (layer_norm.py's backward says why).
-    flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
-                 num_warps=SPLIT_WARPS, enable_fp_fusion=False)
-    dx_flags = dict(BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
-    with on_device(x):
-        if cooperative:
-            # partial_x_hat_g stands in for the partial dw, db buffers, which are sized by the answer.
-            args = [grad_out, x, weight, mean_in, rstd, partial_x_hat_g, partial_g, ROW_ARRIVALS, grad_x,
-                    partial_x_hat_g, partial_x_hat_g, rows, n, slices]
-            groups = cooperative_rows_at_once(_norm_bwd_cooperative_kernel, rows, slices, *args, **dx_flags)
-            if groups:
-                partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
-                args[9:11] = partial_dw, (partial_dw if partial_db is None else partial_db)
-                launch_cooperative(_norm_bwd_cooperative_kernel, rows, slices, *args, **dx_flags)
-                return partial_dw, partial_db
-        # Groups of rows per slice: enough programs for about two per SM, never more groups than rows.
+    dy once, when the GPU holds enough rows' slices at once (``launch.cooperative_rows_at_once``, asked at
+    each call as the forward asks it; its groups are the rows at once); otherwise the two phases.
+    (bfloat16 stays in two phases: a slice in registers is half the bytes, too few in flight per SM while
+    the programs wait, and on an H100 the grid ran rows of 131,072 slower than the two phases did:
+    profiling/results/h100/cooperative-grids.md.)"""
+
+    rows: int
+    slices: int
+    n: int
+    groups: int  # the two phases' groups of rows a slice: about two programs an SM, never more than rows
+    cooperative: bool
+    flags: dict  # the sums kernel's constants
+    dx_flags: dict  # the dx (and cooperative) kernels' constants
+
+    @classmethod
+    def plan(cls, x: torch.Tensor, rows: int, n: int, subtract_mean: bool, cooperative: bool) -> "SplitNormBackwardLaunch":
+        block = launch_settings.SPLIT_BLOCK
+        slices = cdiv(n, block)
         groups = max(1, persistent_program_count(x, rows * slices, 2) // slices)
-        partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
-        launch(_norm_bwd_split_sums_kernel, (rows, slices), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
-               partial_g, n, slices, **flags)
-        launch(_norm_bwd_split_dx_kernel, (slices, groups), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
-               partial_g, grad_x, partial_dw, partial_dw if partial_db is None else partial_db, rows, n, slices,
-               **dx_flags)
-    return partial_dw, partial_db
+        # enable_fp_fusion=False in both phases: dx's cancellation needs the g = dy·w that phase 1 sums to be
+        # the rounded g that phase 2 subtracts from (layer_norm.py's backward says why).
+        flags = dict(BLOCK_N=block, COMPUTE=compute_dtype(x.dtype), SUBTRACT_MEAN=subtract_mean,
+                     num_warps=SPLIT_WARPS, enable_fp_fusion=False)
+        dx_flags = dict(BLOCK_SLICES=next_power_of_2(slices), HAS_BIAS=subtract_mean, **flags)
+        return cls(rows, slices, n, groups, cooperative, flags, dx_flags)
+
+    def __call__(self, grad_out, x, weight, mean, rstd, grad_x):
+        rows, slices, n = self.rows, self.slices, self.n
+        subtract_mean = mean is not None
+        statistics_dtype = accumulator_dtype(x.dtype)
+        partial_x_hat_g = x.new_empty((rows, slices), dtype=statistics_dtype)
+        partial_g = torch.empty_like(partial_x_hat_g) if subtract_mean else partial_x_hat_g  # RMSNorm never reads it
+        mean_in = mean if subtract_mean else rstd  # a pointer RMSNorm's kernels never read
+        with on_device(x):
+            if self.cooperative:
+                # partial_x_hat_g stands in for the partial dw, db buffers, which are sized by the answer.
+                args = [grad_out, x, weight, mean_in, rstd, partial_x_hat_g, partial_g, ROW_ARRIVALS, grad_x,
+                        partial_x_hat_g, partial_x_hat_g, rows, n, slices]
+                groups = cooperative_rows_at_once(_norm_bwd_cooperative_kernel, rows, slices, *args, **self.dx_flags)
+                if groups:
+                    partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
+                    args[9:11] = partial_dw, (partial_dw if partial_db is None else partial_db)
+                    launch_cooperative(_norm_bwd_cooperative_kernel, rows, slices, *args, **self.dx_flags)
+                    return partial_dw, partial_db
+            partial_dw, partial_db = _partial_gradients(self.groups, n, statistics_dtype, x, subtract_mean)
+            launch(_norm_bwd_split_sums_kernel, (rows, slices), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
+                   partial_g, n, slices, **self.flags)
+            launch(_norm_bwd_split_dx_kernel, (slices, self.groups), grad_out, x, weight, mean_in, rstd,
+                   partial_x_hat_g, partial_g, grad_x, partial_dw, partial_dw if partial_db is None else partial_db,
+                   rows, n, slices, **self.dx_flags)
+        return partial_dw, partial_db
 
 
 def _partial_gradients(groups: int, n: int, dtype: torch.dtype, x: torch.Tensor, subtract_mean: bool):
     """The (groups, n) partial dw buffer, and db's (None for RMSNorm)."""
-    partial_dw = torch.empty(groups, n, dtype=dtype, device=x.device)
+    partial_dw = x.new_empty((groups, n), dtype=dtype)
     return partial_dw, (torch.empty_like(partial_dw) if subtract_mean else None)
