@@ -351,14 +351,22 @@ def test_a_norm_forward_checks_and_plans_a_signature_once_and_every_new_one_agai
         layer_norm.launch_norm_fwd("layer_norm_forward", x, weight, bias.double(), 1e-5, True)
 
 
+@pytest.fixture
+def split_rows(monkeypatch):
+    """launch.py's settings lowered so that (3, 5000) rows are split across programs in slices of 1024, even
+    under the interpreter; row_tile's answers, which depend on them, are cleared before and after."""
+    for name, value in {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}.items():
+        monkeypatch.setattr(launch_module, name, value)
+    launch_module.row_tile.cache_clear()
+    yield
+    launch_module.row_tile.cache_clear()
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["layer_norm", "rms_norm"])
-def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, monkeypatch):
+def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, split_rows, monkeypatch):
     """Rows split across programs (layer_norm_split.SplitNormForwardLaunch) are kept per signature like a row
     kernel's launch: the second call is not checked or planned again, and both match float64."""
     layer_norm = importlib.import_module("triton_kernels.layer_norm")
-    launch_module = importlib.import_module("triton_kernels.launch")
-    for name, value in {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}.items():
-        monkeypatch.setattr(launch_module, name, value)
     checked = []
     check = layer_norm.check_norm_shapes
     monkeypatch.setattr(layer_norm, "check_norm_shapes", lambda op, x, **kw: checked.append(op) or check(op, x, **kw))
@@ -369,12 +377,8 @@ def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, monkeypatch):
     centered = x - x.mean(-1, keepdim=True) if bias else x
     rstd = torch.rsqrt(centered.pow(2).mean(-1) + 1e-5)
     expected = centered * rstd[:, None] * weight + (shift if bias else 0)
-    launch_module.row_tile.cache_clear()  # row_tile's answers depend on the settings
-    try:
-        assert launch_module.row_strategy(3, 5000, x, cooperative=True, loop_in_l2=True) == "split"
-        calls = [layer_norm.launch_norm_fwd(op, x, weight, bias_or_none, 1e-5, True) for _ in range(2)]
-    finally:
-        launch_module.row_tile.cache_clear()
+    assert launch_module.row_strategy(3, 5000, x, cooperative=True, loop_in_l2=True) == "split"
+    calls = [layer_norm.launch_norm_fwd(op, x, weight, bias_or_none, 1e-5, True) for _ in range(2)]
     assert checked == [op]
     [plan] = layer_norm._NORM_FORWARD_LAUNCHES.values()
     assert isinstance(plan, importlib.import_module("triton_kernels.layer_norm_split").SplitNormForwardLaunch)
@@ -385,14 +389,12 @@ def test_a_norm_forward_over_split_rows_is_planned_once_too(bias, monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["layer_norm", "rms_norm"])
-def test_a_norm_backward_over_split_rows_is_planned_once_too(bias, monkeypatch):
+def test_a_norm_backward_over_split_rows_is_planned_once_too(bias, split_rows, monkeypatch):
     """The backward over rows split across programs (layer_norm_backward.SplitNormBackwardRows) is kept per
     signature like the row kernel's: the second call plans neither the split nor its column reduction
     again, and both calls' gradients match float64 autograd."""
     backward = importlib.import_module("triton_kernels.layer_norm_backward")
     layer_norm = importlib.import_module("triton_kernels.layer_norm")
-    for name, value in {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}.items():
-        monkeypatch.setattr(launch_module, name, value)
     monkeypatch.setattr(layer_norm, "_NORM_FORWARD_LAUNCHES", layer_norm.SignatureTable())
     monkeypatch.setattr(backward, "_NORM_BACKWARD_LAUNCHES", backward.SignatureTable())
     planned = []
@@ -403,13 +405,9 @@ def test_a_norm_backward_over_split_rows_is_planned_once_too(bias, monkeypatch):
     x = torch.randn(3, 5000, device=TRITON_DEVICE, dtype=torch.float64)  # 3 rows of 5 slices: "split"
     weight, shift = (torch.randn(5000, device=TRITON_DEVICE, dtype=torch.float64) for _ in range(2))
     grad_out = torch.randn_like(x)
-    launch_module.row_tile.cache_clear()  # row_tile's answers depend on the settings
-    try:
-        op = "layer_norm_forward" if bias else "rms_norm_forward"
-        _, mean, rstd = layer_norm.launch_norm_fwd(op, x, weight, shift if bias else None, 1e-5, True)
-        calls = [backward.launch_norm_bwd_unchecked(grad_out, x, weight, mean, rstd) for _ in range(2)]
-    finally:
-        launch_module.row_tile.cache_clear()
+    op = "layer_norm_forward" if bias else "rms_norm_forward"
+    _, mean, rstd = layer_norm.launch_norm_fwd(op, x, weight, shift if bias else None, 1e-5, True)
+    calls = [backward.launch_norm_bwd_unchecked(grad_out, x, weight, mean, rstd) for _ in range(2)]
     assert planned == ["row_strategy", "_column_reduction_plan"]
     [plan] = backward._NORM_BACKWARD_LAUNCHES.values()
     assert isinstance(plan, backward.SplitNormBackwardRows)

@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .launch import (
     SignatureTable,
-    accumulator_dtype,
     cdiv,
     column_reduction_launch,
     compute_dtype,
@@ -40,7 +39,7 @@ from .launch import (
     row_strategy,
     row_tile,
 )
-from .layer_norm_split import SplitNormBackwardLaunch
+from .layer_norm_split import SplitNormBackwardLaunch, allocate_partial_gradients
 
 BACKWARD_WARPS_PER_SM = 8
 """How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
@@ -132,14 +131,11 @@ class NormBackwardLaunch(NamedTuple):
         """(grad_x, grad_weight, grad_bias) of inputs of this launch's signature, as
         ``launch_norm_bwd_unchecked`` returns them."""
         subtract_mean = mean is not None
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.empty_like(weight)
-        grad_bias = torch.empty_like(weight) if subtract_mean else None
+        grad_x, grad_weight, grad_bias = _allocate_gradients(x, weight, subtract_mean)
         if self.reduction is None:
             partial_dw, partial_db = grad_weight, grad_bias
         else:
-            partial_dw = x.new_empty((self.grid[0], self.n), dtype=accumulator_dtype(x.dtype))
-            partial_db = torch.empty_like(partial_dw) if subtract_mean else None
+            partial_dw, partial_db = allocate_partial_gradients(self.grid[0], self.n, x, subtract_mean)
         # RMSNorm has no mean and no bias: rstd and dw's buffer stand in for the pointers its kernel never reads.
         mean_in, partial_db_in = (mean, partial_db) if subtract_mean else (rstd, partial_dw)
         with on_device(x):
@@ -161,17 +157,21 @@ class SplitNormBackwardRows(NamedTuple):
 
     def __call__(self, grad_out, x, weight, mean, rstd):
         subtract_mean = mean is not None
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.empty_like(weight)
-        grad_bias = torch.empty_like(weight) if subtract_mean else None
+        grad_x, grad_weight, grad_bias = _allocate_gradients(x, weight, subtract_mean)
         partial_dw, partial_db = self.split(grad_out, x, weight, mean, rstd, grad_x)
-        reduction = self.reductions.get(partial_dw.shape[0])
+        partial_rows = partial_dw.shape[0]
+        reduction = self.reductions.get(partial_rows)
         if reduction is None:
-            reduction = self.reductions[partial_dw.shape[0]] = _column_reduction_plan(
-                x, self.split.n, partial_dw.shape[0], subtract_mean)
+            reduction = self.reductions[partial_rows] = _column_reduction_plan(x, self.split.n, partial_rows,
+                                                                               subtract_mean)
         with on_device(x):
             _launch_column_reduction(partial_dw, partial_db, grad_weight, grad_bias, self.split.n, *reduction)
         return grad_x, grad_weight, grad_bias
+
+
+def _allocate_gradients(x: torch.Tensor, weight: torch.Tensor, subtract_mean: bool):
+    """(grad_x, grad_weight, grad_bias) for a norm's backward: grad_bias None for RMSNorm."""
+    return torch.empty_like(x), torch.empty_like(weight), (torch.empty_like(weight) if subtract_mean else None)
 
 
 _NORM_BACKWARD_LAUNCHES = SignatureTable()

@@ -397,8 +397,7 @@ class SplitNormBackwardLaunch(NamedTuple):
     def __call__(self, grad_out, x, weight, mean, rstd, grad_x):
         rows, slices, n = self.rows, self.slices, self.n
         subtract_mean = mean is not None
-        statistics_dtype = accumulator_dtype(x.dtype)
-        partial_x_hat_g = x.new_empty((rows, slices), dtype=statistics_dtype)
+        partial_x_hat_g = x.new_empty((rows, slices), dtype=accumulator_dtype(x.dtype))
         partial_g = torch.empty_like(partial_x_hat_g) if subtract_mean else partial_x_hat_g  # RMSNorm never reads it
         mean_in = mean if subtract_mean else rstd  # a pointer RMSNorm's kernels never read
         with on_device(x):
@@ -408,11 +407,11 @@ class SplitNormBackwardLaunch(NamedTuple):
                         partial_x_hat_g, partial_x_hat_g, rows, n, slices]
                 groups = cooperative_rows_at_once(_norm_bwd_cooperative_kernel, rows, slices, *args, **self.dx_flags)
                 if groups:
-                    partial_dw, partial_db = _partial_gradients(groups, n, statistics_dtype, x, subtract_mean)
+                    partial_dw, partial_db = allocate_partial_gradients(groups, n, x, subtract_mean)
                     args[9:11] = partial_dw, (partial_dw if partial_db is None else partial_db)
                     launch_cooperative(_norm_bwd_cooperative_kernel, rows, slices, *args, **self.dx_flags)
                     return partial_dw, partial_db
-            partial_dw, partial_db = _partial_gradients(self.groups, n, statistics_dtype, x, subtract_mean)
+            partial_dw, partial_db = allocate_partial_gradients(self.groups, n, x, subtract_mean)
             launch(_norm_bwd_split_sums_kernel, (rows, slices), grad_out, x, weight, mean_in, rstd, partial_x_hat_g,
                    partial_g, n, slices, **self.flags)
             launch(_norm_bwd_split_dx_kernel, (slices, self.groups), grad_out, x, weight, mean_in, rstd,
@@ -421,7 +420,8 @@ class SplitNormBackwardLaunch(NamedTuple):
         return partial_dw, partial_db
 
 
-def _partial_gradients(groups: int, n: int, dtype: torch.dtype, x: torch.Tensor, subtract_mean: bool):
-    """The (groups, n) partial dw buffer, and db's (None for RMSNorm)."""
-    partial_dw = x.new_empty((groups, n), dtype=dtype)
+def allocate_partial_gradients(groups: int, n: int, x: torch.Tensor, subtract_mean: bool):
+    """The (groups, n) partial dw buffer in x's accumulator dtype, and db's (None for RMSNorm): a row each
+    for the column reduction of ``layer_norm_backward.py`` to sum."""
+    partial_dw = x.new_empty((groups, n), dtype=accumulator_dtype(x.dtype))
     return partial_dw, (torch.empty_like(partial_dw) if subtract_mean else None)
