@@ -174,6 +174,24 @@ def test_the_level_4_matmul_sums_the_rows_of_a_as_it_multiplies(rows, columns, d
     assert relative_max_error(row_sums.double(), wanted_sums) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
+@pytest.mark.parametrize("rows", [1, 17, 32, 33])
+def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(rows, device, dtype):
+    """A decode step's few tokens through a projection with its bias and GELU, against float64: on a GPU
+    16-bit matmuls of up to DECODE_ROWS rows take the 16-row DECODE_MATMUL_TILE (17 rows: a second,
+    ragged tile-row; 33: SMALL_MATMUL_TILE again), K = 200 ends in a partial 128-deep step."""
+    matmul = importlib.import_module("triton_kernels.matmul")
+    a = torch.randn(rows, 200, dtype=dtype, device=device)
+    w, bias = torch.randn(96, 200, dtype=dtype, device=device) / 200 ** 0.5, torch.randn(96, dtype=dtype, device=device)
+    out = matmul.launch_matmul(a, w.t(), epilogue="gelu", bias=bias)
+    wanted = torch.nn.functional.gelu(a.double() @ w.double().t() + bias.double(), approximate="tanh")
+    assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
+    if device == "cuda" and dtype.itemsize == 2:
+        constants = matmul.plan_matmul(a, w.t(), out, "gelu", bias).constants
+        decode = matmul.DECODE_MATMUL_TILE if rows <= matmul.DECODE_ROWS else matmul.SMALL_MATMUL_TILE
+        assert (constants["BLOCK_M"], constants["BLOCK_K"]) == (decode.block_m, decode.block_k)
+
+
 TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate")]
 """(B stored transposed, epilogue): every layout and epilogue the TMA kernel takes, with a bias for none."""
 

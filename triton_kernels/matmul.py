@@ -35,7 +35,8 @@ The one idea that makes it fast
 Launch
     16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES (TMA_TILES for the TMA kernel, which
     ``_tma_operands`` chooses), once per shape, layout, epilogue and dtype, timing only the tiles
-    ``_tiles_worth_timing`` keeps; a small matmul takes SMALL_MATMUL_TILE untimed.
+    ``_tiles_worth_timing`` keeps; a small matmul takes DECODE_MATMUL_TILE (a decode step's few rows) or
+    SMALL_MATMUL_TILE untimed.
     The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice directly, as
     every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). Each call's
     decisions make one ``MatmulLaunch`` (``plan_matmul``), which the launchers of feed_forward.py keep per
@@ -117,6 +118,19 @@ class MatmulTile(NamedTuple):
 SMALL_MATMUL_TILE = MatmulTile(64, 64, 64, 4, 4)
 """The one tile of a small 16-bit matmul (see SMALL_MATMUL), and the smallest candidate."""
 
+DECODE_MATMUL_TILE = MatmulTile(16, 64, 128, 4, 3)
+"""The tile of a small 16-bit matmul of at most DECODE_ROWS rows: a decode step's tokens. A 64-row tile
+would spend three quarters of its tensor-core work on rows that do not exist, and its 64-deep K steps
+make short pipelines of many loads; 16 rows (the smallest mma.sync fragment) and 128-deep steps keep
+each program streaming its slice of the weight, which is all a decode matmul does. Measured on an H200
+(Triton 3.6, bfloat16, CUDA-graph replay, GPT-2 small's projections, one token): 768 → 2304 4.3 µs
+(64 × 64 × 64: 8.1), 768 → 3072 4.8 (9.9), 3072 → 768 9.6 (14.6), the LM head 768 → 50304 26 (72;
+cuBLAS 22); at 32 tokens it was as fast as 64 × 64 × 64 or faster at every one of them. 16 × 32 × 128
+and 16 × 16 × 256 won single shapes by less than they lost others."""
+
+DECODE_ROWS = 32
+"""Up to this many rows a small 16-bit matmul takes DECODE_MATMUL_TILE."""
+
 TENSOR_CORE_TILES = [
     MatmulTile(128, 256, 64, 8, 3),
     MatmulTile(256, 128, 64, 8, 3),
@@ -154,9 +168,10 @@ in 4 stages won three of them; 128 × 128 won the two with K = 3072 and N = 768,
 only 192 tiles for 132 SMs. 256 × 128 never won, nor two programs an SM of 128 × 128 (4 or 8 warps)."""
 
 SMALL_MATMUL = 2**30
-"""Below this many multiply-adds (M·N·K; ~3 µs of tensor-core work on an H100) a 16-bit matmul takes
-SMALL_MATMUL_TILE untimed: its time is the launch and one short wave of tiles, which no tile choice
-changes, while timing the candidates would compile each of them for every new shape."""
+"""Below this many multiply-adds (M·N·K; ~3 µs of tensor-core work on an H100) a 16-bit matmul takes a
+tile chosen by its rows alone, untimed (DECODE_MATMUL_TILE or SMALL_MATMUL_TILE): its time is the launch
+and one short wave of tiles reading the weight, while timing the candidates would compile each of them
+for every new shape."""
 
 WIDE_FLOAT_TILE = MatmulTile(64, 64, 32, 4, 3)
 """float32 and float64. Their products run on the CUDA cores ("ieee" float32) or the float64 tensor
@@ -363,16 +378,18 @@ _matmul_tma_autotuned = _autotuned(_matmul_tma_kernel, TMA_TILES,
                                    ["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"])
 
 
-def _tile_choice(dtype: torch.dtype, multiply_adds: int) -> MatmulTile | None:
+def _tile_choice(dtype: torch.dtype, rows: int, multiply_adds: int) -> MatmulTile | None:
     """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES
-    (or TMA_TILES). A small 16-bit matmul gets SMALL_MATMUL_TILE here rather than from the autotuner,
-    which would prune its candidates to that one tile anyway, after keying and looking up its cache on
-    every call."""
+    (or TMA_TILES). A small 16-bit matmul gets DECODE_MATMUL_TILE or SMALL_MATMUL_TILE here rather than
+    from the autotuner, which would prune its candidates to the small tile anyway, after keying and
+    looking up its cache on every call."""
     if interpreter_is_on():
         return INTERPRETER_TILE
     if dtype.itemsize != 2:
         return WIDE_FLOAT_TILE
-    return SMALL_MATMUL_TILE if multiply_adds < SMALL_MATMUL else None
+    if multiply_adds >= SMALL_MATMUL:
+        return None
+    return DECODE_MATMUL_TILE if rows <= DECODE_ROWS else SMALL_MATMUL_TILE
 
 
 class _TmaOperands(NamedTuple):
@@ -490,7 +507,7 @@ def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: s
     """The launch of ``launch_matmul`` for these operands (M, N > 0), or None while the autotuner has
     yet to choose a tile for them (``launch_matmul``'s first call with their key asks it)."""
     (M, K), N = a.shape, b.shape[1]
-    tile = _tile_choice(a.dtype, M * N * K)
+    tile = _tile_choice(a.dtype, M, M * N * K)
     tma = _tma_operands(a, b, tile, epilogue, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
