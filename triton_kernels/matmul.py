@@ -119,10 +119,12 @@ SMALL_MATMUL_TILE = MatmulTile(64, 64, 64, 4, 4)
 """The one tile of a small 16-bit matmul (see SMALL_MATMUL), and the smallest candidate."""
 
 DECODE_MATMUL_TILE = MatmulTile(16, 64, 128, 4, 3)
-"""The tile of a small 16-bit matmul of at most DECODE_ROWS rows: a decode step's tokens. A 64-row tile
-would spend three quarters of its tensor-core work on rows that do not exist, and its 64-deep K steps
-make short pipelines of many loads; 16 rows (the smallest mma.sync fragment) and 128-deep steps keep
-each program streaming its slice of the weight, which is all a decode matmul does. Measured on an H200
+"""The tile of a small 16-bit matmul of at most DECODE_ROWS rows: a decode step's tokens. Such a matmul
+is a read of the weight by a few dozen programs (some hundreds for the LM head) on a GPU of 132 SMs.
+SMALL_MATMUL_TILE's four stages of 64 × 64 hold 32 KB of the weight and 32 KB of A in shared memory,
+64 rows of A where a decode step has 1 to 32; with 16 rows (the smallest mma.sync fragment) and
+128-deep steps, three stages hold 48 KB of the weight and 12 KB of A, and a program takes half as many
+steps along K. Which of these the gain comes from was not taken apart. Measured on an H200
 (Triton 3.6, bfloat16, CUDA-graph replay, GPT-2 small's projections, one token): 768 → 2304 4.3 µs
 (64 × 64 × 64: 8.1), 768 → 3072 4.8 (9.9), 3072 → 768 9.6 (14.6), the LM head 768 → 50304 26 (72;
 cuBLAS 22); at 32 tokens it was as fast as 64 × 64 × 64 or faster at every one of them. 16 × 32 × 128
