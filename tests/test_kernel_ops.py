@@ -175,21 +175,25 @@ def test_the_level_4_matmul_sums_the_rows_of_a_as_it_multiplies(rows, columns, d
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
-@pytest.mark.parametrize("rows", [1, 17, 32, 33])
-def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(rows, device, dtype):
-    """A decode step's few tokens through a projection with its bias and GELU, against float64: on a GPU
-    16-bit matmuls of up to DECODE_ROWS rows take the 16-row DECODE_MATMUL_TILE (17 rows: a second,
-    ragged tile-row; 33: SMALL_MATMUL_TILE again), K = 200 ends in a partial 128-deep step."""
+@pytest.mark.parametrize("case,rows,columns", [("one-row", 1, 96), ("two-tile-rows", 17, 96), ("wide-weight", 32, 1100),
+                                               ("past-decode-rows", 33, 96)], ids=lambda value: str(value))
+def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(case, rows, columns, device, dtype):
+    """A decode step's few tokens through a projection with its bias and GELU, against float64. On a GPU
+    16-bit matmuls of up to DECODE_ROWS rows take a 16-row decode tile, 32 columns wide on a narrow weight
+    and 64 on a wide one (1100 columns: a ragged last tile); 17 rows make a second, ragged tile-row; 33
+    take SMALL_MATMUL_TILE again. K = 200 ends in a partial 128-deep step."""
     matmul = importlib.import_module("triton_kernels.matmul")
     a = torch.randn(rows, 200, dtype=dtype, device=device)
-    w, bias = torch.randn(96, 200, dtype=dtype, device=device) / 200 ** 0.5, torch.randn(96, dtype=dtype, device=device)
+    w = torch.randn(columns, 200, dtype=dtype, device=device) / 200 ** 0.5
+    bias = torch.randn(columns, dtype=dtype, device=device)
     out = matmul.launch_matmul(a, w.t(), epilogue="gelu", bias=bias)
     wanted = torch.nn.functional.gelu(a.double() @ w.double().t() + bias.double(), approximate="tanh")
     assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
     if device == "cuda" and dtype.itemsize == 2:
         constants = matmul.plan_matmul(a, w.t(), out, "gelu", bias).constants
-        decode = matmul.DECODE_MATMUL_TILE if rows <= matmul.DECODE_ROWS else matmul.SMALL_MATMUL_TILE
-        assert (constants["BLOCK_M"], constants["BLOCK_K"]) == (decode.block_m, decode.block_k)
+        tile = {"one-row": matmul.NARROW_DECODE_MATMUL_TILE, "two-tile-rows": matmul.NARROW_DECODE_MATMUL_TILE,
+                "wide-weight": matmul.DECODE_MATMUL_TILE, "past-decode-rows": matmul.SMALL_MATMUL_TILE}[case]
+        assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]) == tile[:3]
 
 
 TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate")]

@@ -127,11 +127,22 @@ SMALL_MATMUL_TILE's four stages of 64 × 64 hold 32 KB of the weight and 32 KB o
 steps along K. Which of these the gain comes from was not taken apart. Measured on an H200
 (Triton 3.6, bfloat16, CUDA-graph replay, GPT-2 small's projections, one token): 768 → 2304 4.3 µs
 (64 × 64 × 64: 8.1), 768 → 3072 4.8 (9.9), 3072 → 768 9.6 (14.6), the LM head 768 → 50304 26 (72;
-cuBLAS 22); at 32 tokens it was as fast as 64 × 64 × 64 or faster at every one of them. 16 × 32 × 128
-and 16 × 16 × 256 won single shapes by less than they lost others."""
+cuBLAS 22); at 32 tokens it was as fast as 64 × 64 × 64 or faster at every one of them. Where the
+weight has few columns, NARROW_DECODE_MATMUL_TILE beats it."""
+
+NARROW_DECODE_MATMUL_TILE = MatmulTile(16, 32, 128, 4, 4)
+"""The decode tile of a weight of at most NARROW_DECODE_COLUMNS columns: 64-column tiles of GPT-2's
+768 make 12 programs for 132 SMs, and 32-column ones twice as many, each with four stages of 8 KB of the
+weight in flight. Same H200 run, µs at one token and at 32: 768 → 768 3.6 and 3.5 (16 × 64 × 128: 3.9
+and 3.8), 3072 → 768 7.9 and 8.3 (9.6 and 9.6); at 2304 columns and more it lost to DECODE_MATMUL_TILE
+(768 → 2304 4.4 against 4.3, 768 → 3072 5.2 against 4.8, the LM head 35 against 26). 16 × 16 × 256
+won two of the narrow cases (3.5 at 768 → 768, 6.9 at 3072 → 768 with 32 tokens) and lost the others."""
 
 DECODE_ROWS = 32
-"""Up to this many rows a small 16-bit matmul takes DECODE_MATMUL_TILE."""
+"""Up to this many rows a small 16-bit matmul takes DECODE_MATMUL_TILE or NARROW_DECODE_MATMUL_TILE."""
+
+NARROW_DECODE_COLUMNS = 1024
+"""Up to this many columns a decode-size matmul takes NARROW_DECODE_MATMUL_TILE."""
 
 TENSOR_CORE_TILES = [
     MatmulTile(128, 256, 64, 8, 3),
@@ -380,18 +391,24 @@ _matmul_tma_autotuned = _autotuned(_matmul_tma_kernel, TMA_TILES,
                                    ["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"])
 
 
-def _tile_choice(dtype: torch.dtype, rows: int, multiply_adds: int) -> MatmulTile | None:
+def _tile_choice(dtype: torch.dtype, rows: int, columns: int, multiply_adds: int) -> MatmulTile | None:
     """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES
-    (or TMA_TILES). A small 16-bit matmul gets DECODE_MATMUL_TILE or SMALL_MATMUL_TILE here rather than
-    from the autotuner, which would prune its candidates to the small tile anyway, after keying and
-    looking up its cache on every call."""
+    (or TMA_TILES). A small 16-bit matmul gets a decode tile or SMALL_MATMUL_TILE here rather than from
+    the autotuner, which would prune its candidates to the small tile anyway, after keying and looking
+    up its cache on every call."""
     if interpreter_is_on():
         return INTERPRETER_TILE
     if dtype.itemsize != 2:
         return WIDE_FLOAT_TILE
-    if multiply_adds >= SMALL_MATMUL:
-        return None
-    return DECODE_MATMUL_TILE if rows <= DECODE_ROWS else SMALL_MATMUL_TILE
+    return small_matmul_tile(rows, columns) if multiply_adds < SMALL_MATMUL else None
+
+
+def small_matmul_tile(rows: int, columns: int) -> MatmulTile:
+    """The tile of a small 16-bit matmul of ``rows`` × ``columns`` on a GPU: a decode tile for a decode
+    step's few rows, narrow for a narrow weight, else SMALL_MATMUL_TILE."""
+    if rows > DECODE_ROWS:
+        return SMALL_MATMUL_TILE
+    return NARROW_DECODE_MATMUL_TILE if columns <= NARROW_DECODE_COLUMNS else DECODE_MATMUL_TILE
 
 
 class _TmaOperands(NamedTuple):
@@ -509,7 +526,7 @@ def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: s
     """The launch of ``launch_matmul`` for these operands (M, N > 0), or None while the autotuner has
     yet to choose a tile for them (``launch_matmul``'s first call with their key asks it)."""
     (M, K), N = a.shape, b.shape[1]
-    tile = _tile_choice(a.dtype, M, M * N * K)
+    tile = _tile_choice(a.dtype, M, N, M * N * K)
     tma = _tma_operands(a, b, tile, epilogue, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
