@@ -175,9 +175,10 @@ def test_the_level_4_matmul_sums_the_rows_of_a_as_it_multiplies(rows, columns, d
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
-@pytest.mark.parametrize("case,rows,columns", [("one-row", 1, 96), ("two-tile-rows", 17, 96), ("wide-weight", 32, 1100),
-                                               ("past-decode-rows", 33, 96)], ids=lambda value: str(value))
-def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(case, rows, columns, device, dtype):
+@pytest.mark.parametrize("rows,columns,tile", [(1, 96, "NARROW_DECODE_MATMUL_TILE"), (17, 96, "NARROW_DECODE_MATMUL_TILE"),
+                                               (32, 1100, "DECODE_MATMUL_TILE"), (33, 96, "SMALL_MATMUL_TILE")],
+                         ids=["one-row", "two-tile-rows", "wide-weight", "past-decode-rows"])
+def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(rows, columns, tile, device, dtype):
     """A decode step's few tokens through a projection with its bias and GELU, against float64. On a GPU
     16-bit matmuls of up to DECODE_ROWS rows take a 16-row decode tile, 32 columns wide on a narrow weight
     and 64 on a wide one (1100 columns: a ragged last tile); 17 rows make a second, ragged tile-row; 33
@@ -191,9 +192,7 @@ def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(case, rows, c
     assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
     if device == "cuda" and dtype.itemsize == 2:
         constants = matmul.plan_matmul(a, w.t(), out, "gelu", bias).constants
-        tile = {"one-row": matmul.NARROW_DECODE_MATMUL_TILE, "two-tile-rows": matmul.NARROW_DECODE_MATMUL_TILE,
-                "wide-weight": matmul.DECODE_MATMUL_TILE, "past-decode-rows": matmul.SMALL_MATMUL_TILE}[case]
-        assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]) == tile[:3]
+        assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]) == getattr(matmul, tile)[:3]
 
 
 TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate")]

@@ -154,7 +154,7 @@ def test_an_autotuned_matmul_asks_the_autotuner_once_per_key_then_launches_its_c
             monkeypatch.setattr(kernel, "best_config", config, raising=False)
 
     monkeypatch.setattr(matmul, "launch", record)
-    monkeypatch.setattr(matmul, "_tile_choice", lambda dtype, rows, columns, multiply_adds: None)  # every matmul "large"
+    monkeypatch.setattr(matmul, "_tile_choice", lambda dtype, rows, columns, depth: None)  # every matmul "large"
     monkeypatch.setattr(matmul, "_tuned_tiles", {})
     a, b = torch.randn(300, 32), torch.randn(32, 100 if tma else 101)[:, :100]
     b_transposed = torch.randn(100, 32 if tma else 33)[:, :32].t()  # columns 32 (or 33) floats apart

@@ -35,8 +35,8 @@ The one idea that makes it fast
 Launch
     16-bit inputs: ``triton.autotune`` over TENSOR_CORE_TILES (TMA_TILES for the TMA kernel, which
     ``_tma_operands`` chooses), once per shape, layout, epilogue and dtype, timing only the tiles
-    ``_tiles_worth_timing`` keeps; a small matmul takes DECODE_MATMUL_TILE (a decode step's few rows) or
-    SMALL_MATMUL_TILE untimed.
+    ``_tiles_worth_timing`` keeps; a small matmul takes ``small_matmul_tile``'s tile untimed (a decode
+    tile for a decode step's few rows).
     The autotuner is asked once per key (``_tuned_tiles``); later calls launch its choice directly, as
     every other level-4 kernel is launched (what that saves: profiling/results/host_path.md). Each call's
     decisions make one ``MatmulLaunch`` (``plan_matmul``), which the launchers of feed_forward.py keep per
@@ -182,9 +182,9 @@ only 192 tiles for 132 SMs. 256 × 128 never won, nor two programs an SM of 128 
 
 SMALL_MATMUL = 2**30
 """Below this many multiply-adds (M·N·K; ~3 µs of tensor-core work on an H100) a 16-bit matmul takes a
-tile chosen by its rows alone, untimed (DECODE_MATMUL_TILE or SMALL_MATMUL_TILE): its time is the launch
-and one short wave of tiles reading the weight, while timing the candidates would compile each of them
-for every new shape."""
+tile chosen by its shape alone, untimed (``small_matmul_tile``): its time is the launch and one short
+wave of tiles reading the weight, while timing the candidates would compile each of them for every new
+shape."""
 
 WIDE_FLOAT_TILE = MatmulTile(64, 64, 32, 4, 3)
 """float32 and float64. Their products run on the CUDA cores ("ieee" float32) or the float64 tensor
@@ -391,7 +391,7 @@ _matmul_tma_autotuned = _autotuned(_matmul_tma_kernel, TMA_TILES,
                                    ["M", "N", "K", "stride_a", "stride_b", "B_TRANSPOSED", "EPILOGUE", "HAS_BIAS"])
 
 
-def _tile_choice(dtype: torch.dtype, rows: int, columns: int, multiply_adds: int) -> MatmulTile | None:
+def _tile_choice(dtype: torch.dtype, rows: int, columns: int, depth: int) -> MatmulTile | None:
     """The fixed tile for ``dtype`` in this mode, or None where autotuning picks among TENSOR_CORE_TILES
     (or TMA_TILES). A small 16-bit matmul gets a decode tile or SMALL_MATMUL_TILE here rather than from
     the autotuner, which would prune its candidates to the small tile anyway, after keying and looking
@@ -400,7 +400,7 @@ def _tile_choice(dtype: torch.dtype, rows: int, columns: int, multiply_adds: int
         return INTERPRETER_TILE
     if dtype.itemsize != 2:
         return WIDE_FLOAT_TILE
-    return small_matmul_tile(rows, columns) if multiply_adds < SMALL_MATMUL else None
+    return small_matmul_tile(rows, columns) if rows * columns * depth < SMALL_MATMUL else None
 
 
 def small_matmul_tile(rows: int, columns: int) -> MatmulTile:
@@ -526,7 +526,7 @@ def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: s
     """The launch of ``launch_matmul`` for these operands (M, N > 0), or None while the autotuner has
     yet to choose a tile for them (``launch_matmul``'s first call with their key asks it)."""
     (M, K), N = a.shape, b.shape[1]
-    tile = _tile_choice(a.dtype, M, N, M * N * K)
+    tile = _tile_choice(a.dtype, M, N, K)
     tma = _tma_operands(a, b, tile, epilogue, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
