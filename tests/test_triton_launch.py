@@ -303,6 +303,26 @@ def test_attention_forward_serves_a_growing_kv_cache_from_one_plan(monkeypatch):
         attention_forward.launch_attention_fwd(q3, keys[:, :, :2], values[:, :, :2], True, 0, 0.25)
 
 
+@pytest.mark.parametrize("head_dim,slices,tile", [
+    (64, (64, 0), (128, 64, 8, 3)),
+    (72, (128, 0), (128, 64, 8, 3)),  # a 64 + 16 split, 8 columns masked, read past shared memory
+    (80, (64, 16), (64, 64, 4, 3)),
+    (88, (128, 0), (128, 64, 8, 3)),  # likewise 64 + 32 with 8 masked
+    (96, (64, 32), (128, 64, 4, 3)),
+    (112, (128, 0), (128, 64, 8, 3)),  # 64 + 64 is no narrower than the padded 128
+    (136, (128, 16), (128, 64, 8, 2)),
+    (176, (128, 64), (128, 64, 8, 2)),
+])
+def test_the_forward_splits_a_head_dim_only_where_its_kernel_stays_in_its_shared_memory(head_dim, slices, tile):
+    """attention_tiles.head_dim_slices: two power-of-two column slices where they are narrower than the
+    padded tile, except behind a 64-column slice whose second is not full (72 and 88: compute-sanitizer found
+    invalid shared-memory reads there on an H200). And the 16-bit tile each head dim's forward launches."""
+    attention_tiles = importlib.import_module("triton_kernels.attention_tiles")
+    attention_forward = importlib.import_module("triton_kernels.attention_forward")
+    assert attention_tiles.head_dim_slices(head_dim) == slices
+    assert tuple(attention_forward.forward_tile(head_dim, torch.bfloat16)) == tile
+
+
 def test_a_level_checks_each_new_attention_signature_after_one_has_passed():
     """Levels 4 and 5 keep the last signature of (q, k, v) that passed their checks, and compare the next
     call's to it: a call whose shapes, dtypes or devices differ is checked in full. A key length that grows

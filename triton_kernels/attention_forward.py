@@ -128,19 +128,18 @@ SPLIT_TILES = {
     16: AttentionTile(64, 64, 4, 3),
     32: AttentionTile(128, 64, 4, 3),
 }
-"""The forward tiles for head dims that run as a 64-column slice and a second one (72 … 96,
+"""The forward tiles for head dims that run as a 64-column slice and a second one (80 and 96,
 ``head_dim_slices``), 16-bit inputs, by the second slice's width. 4 warps: with the accumulator 80-96
 columns wide, 4 warps hold it in registers (80 a thread at 128 queries) and the two products of a block
 issue from one warpgroup each, where 8 warps split each product in halves too small to keep the tensor
 cores fed. Measured on an H100 (4, 16, 4096, causal, bfloat16) with 128 queries a program: head_dim 80
 0.501 ms, 343 TFLOP/s (0.81× head_dim 128's 423) against 0.616 ms with 8 warps and 0.672 ms on the
 padded 128-wide tile; head_dim 96 0.557 ms, 370 TFLOP/s (0.88×) against 0.624 and 0.673.
-A 16-column second slice (head dims 72 and 80) then takes 64 queries a program: on an H200 ((2, 16, 4096),
+A 16-column second slice (head dim 80) then takes 64 queries a program: on an H200 ((2, 16, 4096),
 causal, bfloat16, timed in turns beside head_dim 128's own tile, two rounds; ``profiling/results/h200``,
 session of 2026-11-29, seventh) head_dim 80 ran at 0.816× head_dim 128's TFLOP/s with (64, 64, 4 warps, 3
 stages) against 0.790× with (128, 64, 4, 3), 0.788× in 4 stages, 0.70× with 32-key blocks, 128-key
-blocks or 8 warps. The 32-column slice of 88 and 96 keeps 128 queries (0.885× at 96; 64 queries there
-not measured)."""
+blocks or 8 warps. The 32-column slice of 96 keeps 128 queries (0.885×; 64 queries there not measured)."""
 
 
 WINDOW_TILE = AttentionTile(64, 64, 4, 3)

@@ -65,12 +65,20 @@ padded tile."""
 def head_dim_slices(head_dim: int) -> tuple[int, int]:
     """The forward's column slices of a head dim: (main, rest), both powers of two (rest 0: one slice),
     main + rest ≥ head_dim. Two slices where they are narrower than the padded tile and the first is at
-    least MIN_MAIN_SLICE wide: 80 → (64, 16), 96 → (64, 32), 160 → (128, 32); 112 → (128, 0), since
-    64 + 64 would be no narrower than 128; 40 → (64, 0)."""
+    least MIN_MAIN_SLICE wide: 80 → (64, 16), 96 → (64, 32), 136 → (128, 16), 160 → (128, 32); 112 → (128, 0),
+    since 64 + 64 would be no narrower than 128; 40 → (64, 0).
+
+    Behind a 64-column first slice the second must be full: 72 and 88 (a 16- and a 32-column slice with
+    their last 8 columns masked) read past the kernel's shared memory in causal attention (compute-sanitizer
+    on an H200, Triton 3.6, float16 and bfloat16: invalid __shared__ reads of 512 and 2,048 bytes; 80 and 96,
+    and 136-160 behind a 128-column slice, were clean, as were 72 and 88 on the padded tile). So 72 and 88
+    take the padded 128-wide tile."""
     padded = padded_head_dim(head_dim)
     main = max(16, next_power_of_2(head_dim + 1) // 2)
     rest = 0 if head_dim <= main else max(16, next_power_of_2(head_dim - main))
-    return (main, rest) if 0 < rest and main >= MIN_MAIN_SLICE and main + rest < padded else (padded, 0)
+    full_or_behind_wide_main = main > MIN_MAIN_SLICE or main + rest == head_dim
+    usable = 0 < rest and main >= MIN_MAIN_SLICE and main + rest < padded and full_or_behind_wide_main
+    return (main, rest) if usable else (padded, 0)
 
 
 def wide_float_tile(block_d: int) -> AttentionTile:
