@@ -143,6 +143,11 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
   const int64_t rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows);
   const ValidTargets valid_targets(t, ignore_index);
   // Reused by every chunk: (rows_per_chunk, padded_vocabulary), the row kernels' rows padded_vocabulary apart.
+  // One buffer on one stream, so a chunk's row kernel waits for its logits GEMM and its gradient GEMMs wait
+  // for it. Running each chunk's row kernel on a second stream beside the neighbouring chunks' GEMMs (two
+  // buffers taking turns) hid 2 % of it on an H200: cuBLAS's Hopper GEMMs keep every SM busy to their last
+  // tile, and telling cuBLAS to leave SMs free for the row kernel (an SM count target) slowed the GEMMs by
+  // more than the row kernel costs (profiling/results/h200/README.md, session of 2026-11-29, seventh).
   at::Tensor logits = at::empty({rows_per_chunk, padded_vocabulary}, h.options());
   at::Tensor row_losses = at::empty({tokens}, loss_options);
   at::Tensor grad_hidden = at::empty_symint(gradient_shape(h), h.options());
