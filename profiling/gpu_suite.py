@@ -18,6 +18,7 @@ included, so each can run as one call on a lent machine; run them one after anot
     python -m profiling.gpu_suite --part sweep-backward --out profiling/results/h100  # row lengths, fwd+bwd
     python -m profiling.gpu_suite --part versions  --out profiling/results/h100   # the climb to a kernel
     python -m profiling.gpu_suite --part hopper    --out profiling/results/h100   # attention vs sequence length
+    python -m profiling.gpu_suite --part sanitize  --out profiling/results/h100   # compute-sanitizer's memcheck
     python -m profiling.gpu_suite --part distributed --out profiling/results/h100x4  # DDP and FSDP, every GPU
 
 Without --part every part runs in turn. Each part writes, under --out:
@@ -39,6 +40,9 @@ Without --part every part runs in turn. Each part writes, under --out:
     hopper-attention.csv/.png  hopper: causal attention TFLOP/s over sequence lengths 512 … 16384 at head
                              dims 64 and 128, level 5's mma.sync and sm_90a kernels beside level 4 and
                              SDPA's cuDNN and flash (profiling.hopper; its --ncu adds hopper-ncu.csv)
+    sanitize.md              sanitize: each case of profiling.sanitize (levels 4 and 5 at the head dims and row
+                             lengths their kernels treat specially) under compute-sanitizer's memcheck, forward
+                             and backward in a process of its own: errors found, the first one named
     distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on 2, 4, ...
                              and all of them (profiling.distributed under torchrun; the machine needs 2
                              or more GPUs); distributed-each-alone.csv: every GPU's rate training alone,
@@ -84,7 +88,7 @@ from tqdm.auto import tqdm
 
 from levels.spec import LEVEL_TITLES
 
-from . import breakdown, hopper
+from . import breakdown, hopper, sanitize
 from .cli import save_plots
 from .compare import compare_optimization_levels
 from .language_model import format_throughput, generation_throughput, training_throughput
@@ -709,7 +713,7 @@ BREAKDOWN_ROWS = ("gpt:cuda", "gpt:triton", "hf:sdpa+compile", "hf:cuda", "hf:tr
 model, beside the compiled transformers model its targets are measured against."""
 
 PARTS = ("tests", "tests-compile", "tests-cpu", "tests-cpu-grid", "kernels", "attention", "huggingface", "breakdown",
-         "models", "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "distributed")
+         "models", "generation", "overhead", "sweep", "sweep-backward", "versions", "hopper", "sanitize", "distributed")
 CPU_PARTS = ("overhead", "distributed")
 """The parts with a dry run on the CPU; the others are sized for a GPU."""
 
@@ -722,9 +726,9 @@ def main(argv=None) -> int:
                         help="run this part (repeatable; default: every part in turn)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of timing per row (default 1; the sweeps 0.1, their 9 points × 7 rows a table; "
-                             f"hopper {hopper.BUDGET_S:g} per point)")
-    parser.add_argument("--only", default="", help="run only the benchmarks (overhead: the decode cases) whose name "
-                        "contains one of these comma-separated texts")
+                             f"hopper {hopper.BUDGET_S:g} per point; sanitize 480 for all its cases)")
+    parser.add_argument("--only", default="", help="run only the benchmarks (overhead: the decode cases; sanitize: "
+                        "its cases) whose name contains one of these comma-separated texts")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default), or cpu for a dry run of the overhead part")
     arguments = parser.parse_args(argv)
@@ -768,6 +772,10 @@ def main(argv=None) -> int:
             continue
         if part == "distributed":
             print(run_distributed(device, out, arguments.only), flush=True)
+            continue
+        if part == "sanitize":
+            print(sanitize.sanitize_all(out, 480.0 if arguments.budget is None else arguments.budget, arguments.only),
+                  flush=True)
             continue
         if part == "breakdown":
             breakdown.breakdown(BREAKDOWN_ROWS, "gpt2-small", (8, 1024), torch.bfloat16, device, out=out)

@@ -518,3 +518,76 @@ def test_a_training_step_breakdown_accounts_for_the_whole_step(tmp_path, capsys)
     assert pd.read_csv(tmp_path / "breakdown.csv").shape == table.shape
     printed = capsys.readouterr().out
     assert "ms per training step by kind" in printed and "gpt:cuda" in printed
+
+
+MEMCHECK_REPORT = """========= COMPUTE-SANITIZER
+========= Invalid __shared__ read of size 512 bytes
+=========     at _attention_fwd_kernel+0x1a30
+=========     by thread (0,0,0) in block (3,0,0)
+=========     Address 0x2400 is out of bounds
+=========
+========= ERROR SUMMARY: 10 errors
+"""
+
+
+def test_a_memcheck_report_gives_its_error_count_and_first_error():
+    from profiling.sanitize import error_count, first_error
+
+    assert error_count(MEMCHECK_REPORT) == 10
+    assert first_error(MEMCHECK_REPORT) == "Invalid __shared__ read of size 512 bytes at _attention_fwd_kernel+0x1a30"
+    assert error_count("========= COMPUTE-SANITIZER\nok\n========= ERROR SUMMARY: 0 errors\n") == 0
+    assert error_count("========= ERROR SUMMARY: 1 error\n") == 1
+    assert error_count("Killed\n") is None  # no closing line: not "no errors"
+
+
+def test_every_memcheck_case_runs_forward_and_backward_at_both_levels_here():
+    """Each child process of the sanitize part runs one case; here, without the sanitizer and in float32 (the
+    interpreter has no bfloat16), a case of every component: the case table builds, feeds and differentiates
+    each, which on a GPU memcheck then watches."""
+    from profiling.sanitize import CASES, run_case
+
+    components = {component: name for name, (component, _, shape) in CASES.items()
+                  if "524288" not in name}  # a long row is minutes in the interpreter
+    assert set(components) == {"attention", "layer_norm", "rms_norm", "softmax", "swish", "feed_forward",
+                               "linear_cross_entropy"}
+    for name in [*components.values(), "attention grouped heads", "attention causal head dim 72"]:
+        for level in ("triton", "cuda"):
+            run_case(name, level, torch.float32, torch.device("cpu"))
+
+
+def test_the_sanitize_part_counts_each_cases_errors_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """The driver's table, with compute-sanitizer stood in for: one child per case, level and dtype; a report
+    without a closing line (a timeout, a crash) is a row that says so, never a zero; spent time leaves rows
+    that say they did not run."""
+    import subprocess
+
+    from profiling import sanitize
+
+    calls = []
+
+    def fake_run(command, capture_output, text, timeout):
+        calls.append(command)
+        case, level = command[command.index("--case") + 1], command[command.index("--level") + 1]
+        if "72" in case and level == "triton":
+            return subprocess.CompletedProcess(command, 1, MEMCHECK_REPORT, "")
+        if "88" in case:
+            raise subprocess.TimeoutExpired(command, timeout)
+        return subprocess.CompletedProcess(command, 0, "ran\n========= ERROR SUMMARY: 0 errors\n", "")
+
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: "/usr/local/cuda/bin/compute-sanitizer")
+    monkeypatch.setattr(sanitize.subprocess, "run", fake_run)
+    table = sanitize.sanitize_all(tmp_path, only="causal head dim 72,causal head dim 88,rms_norm rows of 70001")
+    assert (tmp_path / "sanitize.md").read_text() == table + "\n"
+    assert len(calls) == 2 * 2 + 2 * 2  # two attention cases in bfloat16, RMSNorm in two dtypes; both levels
+    assert all(call[:4] == ["/usr/local/cuda/bin/compute-sanitizer", "--tool", "memcheck", "--print-limit"]
+               for call in calls)
+    rows = table.splitlines()[2:]
+    assert any(row.startswith("| attention causal head dim 72 | triton | bfloat16 | 10 |")
+               and "Invalid __shared__ read of size 512 bytes at _attention_fwd_kernel" in row for row in rows)
+    assert any(row.startswith("| attention causal head dim 72 | cuda | bfloat16 | 0 |") for row in rows)
+    assert any(row.startswith("| attention causal head dim 88 | triton | bfloat16 | - |")
+               and "did not finish" in row for row in rows)
+    spent = sanitize.sanitize_all(tmp_path, budget_s=-1.0, only="swish")
+    assert all(row.endswith("not run: the part's -1 s were spent |") for row in spent.splitlines()[2:])
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: None)
+    assert "compute-sanitizer is not on PATH" in sanitize.sanitize_all(tmp_path)

@@ -1,0 +1,175 @@
+"""compute-sanitizer's memcheck over levels 4 and 5, at the shapes where their kernels take special paths.
+
+A kernel can read past the end of its shared memory, or past a tensor, and still give the right answer: the
+bytes it reads there are masked away, or happen to be harmless on this GPU. No equivalence test sees that; the
+next GPU, driver or compiler may turn it into wrong answers or a fault. Level 4's causal attention forward at
+head dims 72 and 88 did exactly that on an H200 (Triton 3.6: invalid ``__shared__`` reads, outputs right;
+``profiling/results/h200/README.md``, session of 2026-11-29, seventh). NVIDIA's compute-sanitizer catches it:
+its memcheck tool instruments every load and store of every kernel and reports each access outside an
+allocation, with the kernel's name.
+
+Each case (``CASES``: a component, its config and an input shape, at levels 4 and 5, in the dtypes whose
+kernels differ) runs a forward and a backward in a process of its own under memcheck, so an error belongs to
+one case. The head dims are the ones whose tiles differ (a padded tile, two column slices, 256); the row
+lengths are one program looping over a row (70,001) and a row split over many programs (524,288).
+
+    python -m profiling.sanitize --out profiling/results/h100       # every case, a GPU and compute-sanitizer
+    python -m profiling.sanitize --case "attention causal head dim 72" --level triton --dtype bfloat16
+
+The second form is one case without the sanitizer, what each child process runs (on the CPU too, through
+Triton's interpreter and the extension's CPU kernels, where memcheck has nothing to check). The GPU suite's
+``--part sanitize`` runs the first; it writes ``sanitize.md``, a row per case: errors found, or why none
+could be counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import levels
+
+CASES = {
+    # (batch, heads, seq, head_dim); a tuple of three shapes is q, k, v (grouped-query attention).
+    **{f"attention causal head dim {d}": ("attention", {"causal": True}, (1, 2, 200, d))
+       for d in (40, 72, 80, 88, 96, 168, 256)},
+    "attention full head dim 72": ("attention", {"causal": False}, (1, 2, 200, 72)),
+    "attention window head dim 96": ("attention", {"causal": True, "window": 37}, (1, 2, 200, 96)),
+    "attention grouped heads": ("attention", {"causal": True}, ((1, 6, 130, 64), (1, 2, 130, 64), (1, 2, 130, 64))),
+    **{f"{component} rows of {n}": (component, config, (rows, n))
+       for component, config in (("layer_norm", {"normalized_shape": None}), ("rms_norm", {"normalized_shape": None}),
+                                 ("softmax", {"dim": -1}))
+       for rows, n in ((4, 70001), (2, 524288))},
+    "swish": ("swish", {"beta": 1.0}, (4099,)),
+    "feed_forward": ("feed_forward", {"n_embd": 48}, (3, 7, 48)),
+    "linear_cross_entropy": ("linear_cross_entropy", {"n_embd": 40, "vocab_size": 1003}, (70, 40)),
+}
+"""name: (component, config, input shape). A ``normalized_shape`` of None is the row length."""
+
+LEVELS = ("triton", "cuda")
+
+
+def dtypes(name: str) -> tuple[torch.dtype, ...]:
+    """bfloat16 for every case (the 16-bit tiles, where the attention kernels' paths differ most); float32 too
+    for the row-wise kernels, whose float32 paths stage other sizes in shared memory."""
+    return (torch.bfloat16, torch.float32) if "rows of" in name else (torch.bfloat16,)
+
+
+def run_case(name: str, level: str, dtype: torch.dtype, device: torch.device) -> None:
+    """One forward and one backward of case ``name`` at ``level``, every gradient computed, then a
+    synchronisation, so any kernel's error surfaces inside this call."""
+    component, config, shape = CASES[name]
+    if config.get("normalized_shape", 0) is None:
+        config = {**config, "normalized_shape": shape[-1]}
+    module = levels.build(component, level, **config).to(device)
+    if any(p.is_floating_point() for p in module.parameters()):
+        module = module.to(dtype)
+    if isinstance(shape[0], tuple):
+        inputs = tuple(torch.randn(s, dtype=dtype, device=device) for s in shape)
+    else:
+        inputs = module.example_inputs(shape, dtype, device)
+    inputs = tuple(x.requires_grad_(x.is_floating_point()) for x in inputs)
+    output = module(*inputs)
+    output.backward(torch.randn_like(output))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+
+
+def error_count(report: str) -> int | None:
+    """The error count of compute-sanitizer's closing line, or None where the report has none (the process
+    was killed, or the sanitizer itself failed)."""
+    found = ERROR_SUMMARY.findall(report)
+    return int(found[-1]) if found else None
+
+
+def first_error(report: str) -> str:
+    """The first error compute-sanitizer reported, in one line: what was accessed, where and by which kernel."""
+    lines = [line.strip("= ").strip() for line in report.splitlines() if line.startswith("=========")]
+    for i, line in enumerate(lines):
+        if line.startswith(("Invalid", "Misaligned", "Out-of-range", "Address")):
+            where = next((later for later in lines[i + 1:i + 4] if later.startswith("at ")), "")
+            return f"{line} {where}".strip()
+    return ""
+
+
+def sanitize(name: str, level: str, dtype: torch.dtype, sanitizer: str, timeout_s: float) -> dict:
+    """Case ``name`` at ``level`` in ``dtype`` under memcheck, in a child process: its row of the table."""
+    command = [sanitizer, "--tool", "memcheck", "--print-limit", "4", sys.executable, "-m", "profiling.sanitize",
+               "--case", name, "--level", level, "--dtype", str(dtype).removeprefix("torch.")]
+    row = {"case": name, "level": level, "dtype": str(dtype).removeprefix("torch.")}
+    started = time.perf_counter()
+    try:
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return row | {"errors": None, "seconds": timeout_s, "note": f"did not finish in {timeout_s:.0f} s"}
+    report = finished.stdout + finished.stderr
+    errors = error_count(report)
+    note = first_error(report) if errors else ""
+    if errors is None or (errors == 0 and finished.returncode != 0):
+        note = f"exit {finished.returncode}: " + " ".join(report.strip().splitlines()[-2:])[:300]
+    return row | {"errors": errors, "seconds": round(time.perf_counter() - started, 1), "note": note}
+
+
+def sanitize_all(out: Path, budget_s: float = 480.0, only: str = "", timeout_s: float = 120.0) -> str:
+    """Every case whose name contains one of the comma-separated texts of ``only`` (all where empty), at both
+    levels and its dtypes, each under memcheck, until ``budget_s`` is spent; the table goes to
+    ``out/sanitize.md`` and is returned."""
+    sanitizer = shutil.which("compute-sanitizer")
+    header = ["| case | level | dtype | errors | seconds | first error, or why none were counted |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    if sanitizer is None:
+        table = "\n".join(header + ["| every case | | | | | compute-sanitizer is not on PATH (it ships with the "
+                                    "CUDA toolkit) |"])
+    else:
+        rows, started = [], time.perf_counter()
+        runs = [(name, level, dtype) for name in CASES if any(text in name for text in only.split(","))
+                for level in LEVELS for dtype in dtypes(name)]
+        for name, level, dtype in runs:
+            if time.perf_counter() - started > budget_s:
+                rows.append({"case": name, "level": level, "dtype": str(dtype).removeprefix("torch."), "errors": None,
+                             "seconds": 0, "note": f"not run: the part's {budget_s:.0f} s were spent"})
+                continue
+            rows.append(sanitize(name, level, dtype, sanitizer, timeout_s))
+            print(f"memcheck {name}, {level}, {rows[-1]['dtype']}: {rows[-1]['errors']} errors", flush=True)
+        table = "\n".join(header + [
+            f"| {r['case']} | {r['level']} | {r['dtype']} | {'-' if r['errors'] is None else r['errors']} | "
+            f"{r['seconds']} | {r['note'].replace('|', '/')} |" for r in rows])
+    (out / "sanitize.md").write_text(table + "\n")
+    return table
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m profiling.sanitize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="folder for sanitize.md: every case under memcheck")
+    parser.add_argument("--only", default="", help="comma-separated texts: the cases whose name contains one")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all cases (default 480)")
+    parser.add_argument("--case", choices=sorted(CASES), help="run this one case, without the sanitizer")
+    parser.add_argument("--level", choices=LEVELS, default="triton")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    arguments = parser.parse_args(argv)
+    if arguments.case:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        run_case(arguments.case, arguments.level, getattr(torch, arguments.dtype), device)
+        print(f"ran {arguments.case}, {arguments.level}, {arguments.dtype}", flush=True)
+        return 0
+    if not arguments.out:
+        parser.error("--out (every case under memcheck) or --case (one case)")
+    out = Path(arguments.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(sanitize_all(out, arguments.budget, arguments.only), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
