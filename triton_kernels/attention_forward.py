@@ -53,8 +53,8 @@ Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medi
     tensor cores).
 
 Limits
-    head_dim a multiple of 8 up to 256 (72 … 96 and 136 … 192 as two power-of-two column slices, the others
-    on a tile padded to a power of two: attention_tiles.py); k and v may have
+    head_dim a multiple of 8 up to 256 (80, 96 and 136 … 192 as two power-of-two column slices, the others,
+    72 and 88 among them, on a tile padded to a power of two: attention_tiles.head_dim_slices); k and v may have
     fewer heads than q (grouped-query attention); any sequence lengths (the last blocks are masked); float16,
     bfloat16, float32 (exact "ieee" products, no TF32) and float64 on the GPU, accumulating in float32
     (float64 for float64); float32 and float64 under the CPU interpreter. (B, H, L, D) inputs, read where
