@@ -71,6 +71,10 @@ def _heads_of_a_fused_projection(qkv, heads, kv_heads):
     ({"causal": True}, 70, 3, 3, 64),
     ({"causal": True, "window": 5}, 33, 4, 2, 24),  # grouped-query heads, a head dim on a wider tile
     ({"causal": False}, 1, 2, 2, 128),
+    # 72 and 88: on the padded 128-wide tile, 56 and 40 columns masked (two slices with a partly masked
+    # second one read past shared memory on an H200: attention_tiles.head_dim_slices)
+    ({"causal": True}, 70, 4, 2, 72),
+    ({"causal": True}, 45, 2, 2, 88),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_attention_of_heads_split_off_a_fused_projection_matches_float64(config, tokens, heads, kv_heads, head_dim,
