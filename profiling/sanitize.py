@@ -18,8 +18,8 @@ lengths are one program looping over a row (70,001) and a row split over many pr
 
 The second form is one case without the sanitizer, what each child process runs (on the CPU too, through
 Triton's interpreter and the extension's CPU kernels, where memcheck has nothing to check). The GPU suite's
-``--part sanitize`` runs the first; it writes ``sanitize.md``, a row per case: errors found, or why none
-could be counted.
+``--part sanitize`` runs the first (``--only`` picks cases by name there); it writes ``sanitize.md``, a row per
+case: errors found, or why none could be counted.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ import torch
 
 import levels
 
+ROW_WISE = ("layer_norm", "rms_norm", "softmax")
+"""The components whose kernels take a row-length-dependent path, and float32 paths of their own (``dtypes``)."""
+
 CASES = {
     # (batch, heads, seq, head_dim); a tuple of three shapes is q, k, v (grouped-query attention).
     **{f"attention causal head dim {d}": ("attention", {"causal": True}, (1, 2, 200, d))
@@ -44,8 +47,7 @@ CASES = {
     "attention window head dim 96": ("attention", {"causal": True, "window": 37}, (1, 2, 200, 96)),
     "attention grouped heads": ("attention", {"causal": True}, ((1, 6, 130, 64), (1, 2, 130, 64), (1, 2, 130, 64))),
     **{f"{component} rows of {n}": (component, config, (rows, n))
-       for component, config in (("layer_norm", {"normalized_shape": None}), ("rms_norm", {"normalized_shape": None}),
-                                 ("softmax", {"dim": -1}))
+       for component, config in zip(ROW_WISE, ({"normalized_shape": None}, {"normalized_shape": None}, {"dim": -1}))
        for rows, n in ((4, 70001), (2, 524288))},
     "swish": ("swish", {"beta": 1.0}, (4099,)),
     "feed_forward": ("feed_forward", {"n_embd": 48}, (3, 7, 48)),
@@ -55,11 +57,14 @@ CASES = {
 
 LEVELS = ("triton", "cuda")
 
+BUDGET_S = 480.0
+"""Seconds for all the cases of one run, each child process included."""
 
-def dtypes(name: str) -> tuple[torch.dtype, ...]:
+
+def dtypes(name: str) -> tuple[str, ...]:
     """bfloat16 for every case (the 16-bit tiles, where the attention kernels' paths differ most); float32 too
     for the row-wise kernels, whose float32 paths stage other sizes in shared memory."""
-    return (torch.bfloat16, torch.float32) if "rows of" in name else (torch.bfloat16,)
+    return ("bfloat16", "float32") if CASES[name][0] in ROW_WISE else ("bfloat16",)
 
 
 def run_case(name: str, level: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -102,11 +107,12 @@ def first_error(report: str) -> str:
     return ""
 
 
-def sanitize(name: str, level: str, dtype: torch.dtype, sanitizer: str, timeout_s: float) -> dict:
-    """Case ``name`` at ``level`` in ``dtype`` under memcheck, in a child process: its row of the table."""
+def sanitize(name: str, level: str, dtype: str, sanitizer: str, timeout_s: float) -> dict:
+    """Case ``name`` at ``level`` in ``dtype`` (a torch dtype's name) under memcheck, in a child process: its
+    row of the table."""
     command = [sanitizer, "--tool", "memcheck", "--print-limit", "4", sys.executable, "-m", "profiling.sanitize",
-               "--case", name, "--level", level, "--dtype", str(dtype).removeprefix("torch.")]
-    row = {"case": name, "level": level, "dtype": str(dtype).removeprefix("torch.")}
+               "--case", name, "--level", level, "--dtype", dtype]
+    row = {"case": name, "level": level, "dtype": dtype}
     started = time.perf_counter()
     try:
         finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -120,10 +126,9 @@ def sanitize(name: str, level: str, dtype: torch.dtype, sanitizer: str, timeout_
     return row | {"errors": errors, "seconds": round(time.perf_counter() - started, 1), "note": note}
 
 
-def sanitize_all(out: Path, budget_s: float = 480.0, only: str = "", timeout_s: float = 120.0) -> str:
-    """Every case whose name contains one of the comma-separated texts of ``only`` (all where empty), at both
-    levels and its dtypes, each under memcheck, until ``budget_s`` is spent; the table goes to
-    ``out/sanitize.md`` and is returned."""
+def sanitize_all(out: Path, names=tuple(CASES), budget_s: float = BUDGET_S, timeout_s: float = 120.0) -> str:
+    """The cases ``names`` (every case by default), at both levels and in their dtypes, each under memcheck,
+    until ``budget_s`` is spent; the table goes to ``out/sanitize.md`` and is returned."""
     sanitizer = shutil.which("compute-sanitizer")
     header = ["| case | level | dtype | errors | seconds | first error, or why none were counted |",
               "| --- | --- | --- | --- | --- | --- |"]
@@ -132,11 +137,10 @@ def sanitize_all(out: Path, budget_s: float = 480.0, only: str = "", timeout_s: 
                                     "CUDA toolkit) |"])
     else:
         rows, started = [], time.perf_counter()
-        runs = [(name, level, dtype) for name in CASES if any(text in name for text in only.split(","))
-                for level in LEVELS for dtype in dtypes(name)]
+        runs = [(name, level, dtype) for name in names for level in LEVELS for dtype in dtypes(name)]
         for name, level, dtype in runs:
             if time.perf_counter() - started > budget_s:
-                rows.append({"case": name, "level": level, "dtype": str(dtype).removeprefix("torch."), "errors": None,
+                rows.append({"case": name, "level": level, "dtype": dtype, "errors": None,
                              "seconds": 0, "note": f"not run: the part's {budget_s:.0f} s were spent"})
                 continue
             rows.append(sanitize(name, level, dtype, sanitizer, timeout_s))
@@ -152,8 +156,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m profiling.sanitize", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for sanitize.md: every case under memcheck")
-    parser.add_argument("--only", default="", help="comma-separated texts: the cases whose name contains one")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all cases (default 480)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all cases (default {BUDGET_S:g})")
     parser.add_argument("--case", choices=sorted(CASES), help="run this one case, without the sanitizer")
     parser.add_argument("--level", choices=LEVELS, default="triton")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         parser.error("--out (every case under memcheck) or --case (one case)")
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(sanitize_all(out, arguments.budget, arguments.only), flush=True)
+    print(sanitize_all(out, budget_s=arguments.budget), flush=True)
     return 0
 
 

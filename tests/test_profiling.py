@@ -576,7 +576,8 @@ def test_the_sanitize_part_counts_each_cases_errors_in_a_process_of_its_own(tmp_
 
     monkeypatch.setattr(sanitize.shutil, "which", lambda name: "/usr/local/cuda/bin/compute-sanitizer")
     monkeypatch.setattr(sanitize.subprocess, "run", fake_run)
-    table = sanitize.sanitize_all(tmp_path, only="causal head dim 72,causal head dim 88,rms_norm rows of 70001")
+    table = sanitize.sanitize_all(tmp_path, ["attention causal head dim 72", "attention causal head dim 88",
+                                             "rms_norm rows of 70001"])
     assert (tmp_path / "sanitize.md").read_text() == table + "\n"
     assert len(calls) == 2 * 2 + 2 * 2  # two attention cases in bfloat16, RMSNorm in two dtypes; both levels
     assert all(call[:4] == ["/usr/local/cuda/bin/compute-sanitizer", "--tool", "memcheck", "--print-limit"]
@@ -587,7 +588,7 @@ def test_the_sanitize_part_counts_each_cases_errors_in_a_process_of_its_own(tmp_
     assert any(row.startswith("| attention causal head dim 72 | cuda | bfloat16 | 0 |") for row in rows)
     assert any(row.startswith("| attention causal head dim 88 | triton | bfloat16 | - |")
                and "did not finish" in row for row in rows)
-    spent = sanitize.sanitize_all(tmp_path, budget_s=-1.0, only="swish")
+    spent = sanitize.sanitize_all(tmp_path, ["swish"], budget_s=-1.0)
     assert all(row.endswith("not run: the part's -1 s were spent |") for row in spent.splitlines()[2:])
     monkeypatch.setattr(sanitize.shutil, "which", lambda name: None)
     assert "compute-sanitizer is not on PATH" in sanitize.sanitize_all(tmp_path)
