@@ -167,25 +167,28 @@ struct LaneGroupRow {
   static unsigned blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
 };
 
-// A lane's part of its group's row in the short-row layout (LayerNorm's and softmax's warp kernels), as
-// accumulator values: lane l owns packs l, l + kLanes, ... (so the group reads kLanes adjacent packs at
-// each step), and `pad` stands where a pack lies past the row, or the row past the last; `fold` sees each
-// value as it lands (a sum, a max). Every load is issued before the first value is used, so that a
-// lane's kPacks loads are in flight together and the row's memory latency is paid once: loaded and used
-// pack by pack, the warps waited far longer on their loads than level 4's kernel (ncu), and short float32
-// rows moved less of copy bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md).
-template <typename T, int kVec, int kPacks, int kLanes, typename Fold>
-__device__ __forceinline__ void load_lane_row(Acc<T> (&values)[kPacks][kVec], const T* x_row, int lane, int n_packs,
-                                              bool row_exists, Acc<T> pad, Fold&& fold) {
+// A thread's part of a row held in registers, as accumulator values: packs first, first + stride, ... (a
+// lane of a group in the short-row layout, stride kLanes, so the group reads kLanes adjacent packs at each
+// step; a thread of a block holding the row, stride blockDim.x), and `pad` stands where a pack lies past
+// the row, or the row past the last; `fold` sees each value as it lands (a sum, a max). Every load is
+// issued before the first value is used, so that a thread's kPacks loads are in flight together and the
+// row's memory latency is paid once. Loaded and used pack by pack, the warps waited far longer on their
+// loads than level 4's kernel (ncu), and short float32 rows moved less of copy bandwidth
+// (profiling/results/h100/level5-trailing-rows-ncu.md); LayerNorm's block-per-row kernel, written that way
+// too, moved 81.6 % of copy bandwidth at (8192, 8192) float32 on an H200 against 93.3 % loads first, for
+// the same registers (profiling/results/h200/README.md, 2026-11-30).
+template <typename T, int kVec, int kPacks, typename Fold>
+__device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
+                                               int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
   Pack<T, kVec> in[kPacks];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const int pack = lane + k * kLanes;
+    const int pack = first + k * stride;
     if (row_exists && pack < n_packs) in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
   }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const bool inside = row_exists && lane + k * kLanes < n_packs;
+    const bool inside = row_exists && first + k * stride < n_packs;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       values[k][j] = inside ? to_acc(in[k].val[j]) : pad;

@@ -121,7 +121,8 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   const T* x_row = x + row * n;
   A values[kPacks][kVec];
   A sum = 0;
-  load_lane_row<T, kVec, kPacks, kLanes>(values, x_row, lane, n_packs, row_exists, A(0), [&](A value) { sum += value; });
+  load_row_packs<T, kVec, kPacks>(values, x_row, lane, kLanes, n_packs, row_exists, A(0),
+                                  [&](A value) { sum += value; });
   A mean = 0;  // RMSNorm's: no reduction for it
   if constexpr (kSubtractMean) mean = warp_reduce<kLanes>(sum, Add{}) / A(n);
   A squares = 0;
@@ -168,17 +169,8 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
   A values[kPacks][kVec];
   A sum = 0;
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int pack = threadIdx.x + k * blockDim.x;
-    Pack<T, kVec> in;
-    if (pack < n_packs) in = load_pack_once<T, kVec>(x_row + pack * kVec);  // x is read exactly once
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      values[k][j] = pack < n_packs ? to_acc(in.val[j]) : A(0);
-      sum += values[k][j];
-    }
-  }
+  load_row_packs<T, kVec, kPacks>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
+                                  [&](A value) { sum += value; });
   // (RMSNorm: mean 0, and no block reduction for it; its sum is dead code the compiler drops.)
   A mean = 0;
   if constexpr (kSubtractMean) mean = block_sum(sum) / A(n);
