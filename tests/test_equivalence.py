@@ -8,6 +8,7 @@ import torch
 
 from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
+from triton_kernels.layer_norm import norm_row_tile
 
 from .conftest import device_param, grid_params, level_devices
 from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
@@ -224,6 +225,18 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
     finally:
         monkeypatch.undo()
         launch_module.row_tile.cache_clear()
+
+
+# Level 4's norms hold two 16-bit rows of 8192 values or more in one program's registers
+# (layer_norm.norm_row_tile); with an odd row count the last program's second row is all masked.
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(5, 16384), (3, 8192), (4, 12000)], ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+def test_level4_norms_two_16_bit_rows_a_program_match_float64_reference(component, shape):
+    assert norm_row_tile(shape[-1], torch.bfloat16).rows_per_tile == 2  # the case this test is for
+    module, reference = build_pair(component, "triton", {"normalized_shape": shape[-1]}, "cuda", torch.bfloat16)
+    assert_matches_float64_reference(module, reference, module.example_inputs(shape, torch.bfloat16, "cuda"),
+                                     TOLERANCE[torch.bfloat16])
 
 
 # Level 5's softmax picks its kernel by row length (softmax.cu): 4 lanes a row (128 values), a block
