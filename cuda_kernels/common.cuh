@@ -170,28 +170,37 @@ struct LaneGroupRow {
 // A thread's part of a row held in registers, as accumulator values: packs first, first + stride, ... (a
 // lane of a group in the short-row layout, stride kLanes, so the group reads kLanes adjacent packs at each
 // step; a thread of a block holding the row, stride blockDim.x), and `pad` stands where a pack lies past
-// the row, or the row past the last; `fold` sees each value as it lands (a sum, a max). Every load is
-// issued before the first value is used, so that a thread's kPacks loads are in flight together and the
-// row's memory latency is paid once. Loaded and used pack by pack, the warps waited far longer on their
-// loads than level 4's kernel (ncu), and short float32 rows moved less of copy bandwidth
-// (profiling/results/h100/level5-trailing-rows-ncu.md); LayerNorm's block-per-row kernel, written that way
-// too, moved 81.6 % of copy bandwidth at (8192, 8192) float32 on an H200 against 93.3 % loads first, for
-// the same registers (profiling/results/h200/README.md, 2026-11-30).
-template <typename T, int kVec, int kPacks, typename Fold>
+// the row, or the row past the last; `fold` sees each value as it lands (a sum, a max).
+// kLoadsFirst: every load is issued before the first value is used, so that a thread's kPacks loads are in
+// flight together and the row's memory latency is paid once. Loaded and used pack by pack, the warps waited
+// far longer on their loads than level 4's kernel (ncu), and short float32 rows moved less of copy
+// bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md); LayerNorm's block-per-row kernel moved
+// 81.6 % of copy bandwidth at (8192, 8192) float32 on an H200 pack by pack, 93.0 % loads first. Not
+// everywhere: the same kernel's 16-bit RMSNorm took 0.069 -> 0.085 ms there with its loads first (the
+// reason is not established), so that kernel asks for it in float32 and float64 only
+// (profiling/results/h200/README.md, 2026-11-30).
+template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fold>
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
-  Pack<T, kVec> in[kPacks];
+  Pack<T, kVec> loaded[kLoadsFirst ? kPacks : 1];
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
+  for (int k = 0; k < (kLoadsFirst ? kPacks : 0); ++k) {
     const int pack = first + k * stride;
-    if (row_exists && pack < n_packs) in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+    if (row_exists && pack < n_packs) loaded[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
   }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const bool inside = row_exists && first + k * stride < n_packs;
+    const int pack = first + k * stride;
+    const bool inside = row_exists && pack < n_packs;
+    Pack<T, kVec> in;
+    if constexpr (kLoadsFirst) {
+      in = loaded[k];
+    } else if (inside) {
+      in = load_pack_once<T, kVec>(x_row + pack * kVec);
+    }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      values[k][j] = inside ? to_acc(in[k].val[j]) : pad;
+      values[k][j] = inside ? to_acc(in.val[j]) : pad;
       fold(values[k][j]);
     }
   }

@@ -169,8 +169,8 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
   A values[kPacks][kVec];
   A sum = 0;
-  load_row_packs<T, kVec, kPacks>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
-                                  [&](A value) { sum += value; });
+  load_row_packs<T, kVec, kPacks, (sizeof(T) >= 4)>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
+                                                     [&](A value) { sum += value; });
   // (RMSNorm: mean 0, and no block reduction for it; its sum is dead code the compiler drops.)
   A mean = 0;
   if constexpr (kSubtractMean) mean = block_sum(sum) / A(n);
