@@ -177,8 +177,9 @@ struct LaneGroupRow {
 // bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md); LayerNorm's block-per-row kernel moved
 // 81.6 % of copy bandwidth at (8192, 8192) float32 on an H200 pack by pack, 93.0 % loads first. Not
 // everywhere: the same kernel's 16-bit RMSNorm took 0.069 -> 0.085 ms there with its loads first (the
-// reason is not established), so that kernel asks for it in float32 and float64 only
-// (profiling/results/h200/README.md, 2026-11-30).
+// reason is not established), and in other instances ptxas spends more registers on the hoisted loads, so
+// that kernel asks for it only where it was measured (layer_norm.cu;
+// profiling/results/h200/norm-forward-probes.md).
 template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fold>
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {

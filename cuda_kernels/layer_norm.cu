@@ -86,9 +86,10 @@ namespace kernel_ladder {
 // bandwidth and bfloat16 91.4 %; with 128 bytes (twice the values, half the threads) bfloat16 rose to
 // 94.4 % and float32 fell to 87.5 %. What matters is the number of loads each thread keeps in flight and how
 // many blocks share an SM while others wait in their two block reductions (barriers), so the budget is
-// counted in packs, not in values. (Those kernels loaded a thread's packs in turn. With every load issued first,
-// as float32 rows are now loaded (load_row_packs), the count matters less: at (8192, 8192) float32 on an H200,
-// 2, 4 and 8 packs a thread all read 93 %. The backward's budget is in layer_norm_backward.cu.)
+// counted in packs, not in values. (Those kernels loaded a thread's packs in turn. With every load issued
+// first, as LayerNorm's float32 rows are now loaded (load_row_packs), the count matters less: at (8192, 8192)
+// float32 on an H200, 2, 4 and 8 packs a thread all read 93 %. The backward's budget is in
+// layer_norm_backward.cu.)
 template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeof(T));
 // Threads of that kernel, so rows of up to kForwardValues x this: 1024 (64 KB rows in registers, where
 // longer rows go to the cluster kernels of layer_norm_long_rows.cuh, which stage the row in shared memory
@@ -171,8 +172,13 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
   A values[kPacks][kVec];
   A sum = 0;
-  load_row_packs<T, kVec, kPacks, (sizeof(T) >= 4)>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
-                                                     [&](A value) { sum += value; });
+  // Loads first only where measured to help at no cost in registers (common.cuh: load_row_packs): LayerNorm's
+  // 4- and 8-byte rows in 16-byte packs. In 16-bit rows they gained nothing (LayerNorm) or lost (RMSNorm); in
+  // the other instances ptxas gave the hoisted loads more registers (RMSNorm's float32 kernel 32 -> 38: one
+  // 1024-thread block an SM instead of two; the unvectorised ones 39-46 -> 50-60).
+  constexpr bool kLoadsFirst = kSubtractMean && kVec > 1 && sizeof(T) >= 4;
+  load_row_packs<T, kVec, kPacks, kLoadsFirst>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
+                                               [&](A value) { sum += value; });
   // (RMSNorm: mean 0, and no block reduction for it; its sum is dead code the compiler drops.)
   A mean = 0;
   if constexpr (kSubtractMean) mean = block_sum(sum) / A(n);
