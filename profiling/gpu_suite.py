@@ -42,7 +42,8 @@ Without --part every part runs in turn. Each part writes, under --out:
                              SDPA's cuDNN and flash (profiling.hopper; its --ncu adds hopper-ncu.csv)
     sanitize.md              sanitize: each case of profiling.sanitize (levels 4 and 5 at the head dims and row
                              lengths their kernels treat specially) under compute-sanitizer's memcheck, forward
-                             and backward in a process of its own: errors found, the first one named
+                             and backward in a process of its own (several at once): errors found, the first
+                             one named
     distributed.csv          distributed: every step of DDP and FSDP2 on one GPU alone, then on 2, 4, ...
                              and all of them (profiling.distributed under torchrun; the machine needs 2
                              or more GPUs); distributed-each-alone.csv: every GPU's rate training alone,

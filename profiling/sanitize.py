@@ -10,7 +10,7 @@ allocation, with the kernel's name.
 
 Each case (``CASES``: a component, its config and an input shape, at levels 4 and 5, in the dtypes whose
 kernels differ) runs a forward and a backward in a process of its own under memcheck, so an error belongs to
-one case. The head dims are the ones whose tiles differ (a padded tile, two column slices, 256); the row
+one case; ``PROCESSES`` of them at a time, since each spends most of its seconds on one host core. The head dims are the ones whose tiles differ (a padded tile, two column slices, 256); the row
 lengths are one program looping over a row (70,001) and a row split over many programs (524,288).
 
     python -m profiling.sanitize --out profiling/results/h100       # every case, a GPU and compute-sanitizer
@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -59,6 +60,12 @@ LEVELS = ("triton", "cuda")
 
 BUDGET_S = 480.0
 """Seconds for all the cases of one run, each child process included."""
+
+PROCESSES = 6
+"""Cases under memcheck at once. One case took 7-13 s on an H200 machine, one after the other: 50 cases, 430 s,
+more than a device call has beside the tests. Most of a case is host work on one core (starting Python, torch
+and Triton, loading the extension, the sanitizer instrumenting each kernel as it loads) while the GPU idles;
+the machines lent have 16 host cores, and one GPU takes several processes' contexts."""
 
 
 def dtypes(name: str) -> tuple[str, ...]:
@@ -126,9 +133,11 @@ def sanitize(name: str, level: str, dtype: str, sanitizer: str, timeout_s: float
     return row | {"errors": errors, "seconds": round(time.perf_counter() - started, 1), "note": note}
 
 
-def sanitize_all(out: Path, names=tuple(CASES), budget_s: float = BUDGET_S, timeout_s: float = 120.0) -> str:
+def sanitize_all(out: Path, names=tuple(CASES), budget_s: float = BUDGET_S, timeout_s: float = 120.0,
+                 processes: int = PROCESSES) -> str:
     """The cases ``names`` (every case by default), at both levels and in their dtypes, each under memcheck,
-    until ``budget_s`` is spent; the table goes to ``out/sanitize.md`` and is returned."""
+    ``processes`` at a time, none started once ``budget_s`` is spent; the table, in the cases' order, goes
+    to ``out/sanitize.md`` and is returned."""
     sanitizer = shutil.which("compute-sanitizer")
     header = ["| case | level | dtype | errors | seconds | first error, or why none were counted |",
               "| --- | --- | --- | --- | --- | --- |"]
@@ -136,15 +145,20 @@ def sanitize_all(out: Path, names=tuple(CASES), budget_s: float = BUDGET_S, time
         table = "\n".join(header + ["| every case | | | | | compute-sanitizer is not on PATH (it ships with the "
                                     "CUDA toolkit) |"])
     else:
-        rows, started = [], time.perf_counter()
-        runs = [(name, level, dtype) for name in names for level in LEVELS for dtype in dtypes(name)]
-        for name, level, dtype in runs:
+        started = time.perf_counter()
+
+        def run(name: str, level: str, dtype: str) -> dict:
             if time.perf_counter() - started > budget_s:
-                rows.append({"case": name, "level": level, "dtype": dtype, "errors": None,
-                             "seconds": 0, "note": f"not run: the part's {budget_s:.0f} s were spent"})
-                continue
-            rows.append(sanitize(name, level, dtype, sanitizer, timeout_s))
-            print(f"memcheck {name}, {level}, {rows[-1]['dtype']}: {rows[-1]['errors']} errors", flush=True)
+                return {"case": name, "level": level, "dtype": dtype, "errors": None, "seconds": 0,
+                        "note": f"not run: the part's {budget_s:.0f} s were spent"}
+            row = sanitize(name, level, dtype, sanitizer, timeout_s)
+            print(f"memcheck {name}, {level}, {dtype}: {row['errors']} errors", flush=True)
+            return row
+
+        runs = [(name, level, dtype) for name in names for level in LEVELS for dtype in dtypes(name)]
+        # Threads, each waiting on its own child process: the work is in the children.
+        with ThreadPoolExecutor(max_workers=processes) as pool:
+            rows = list(pool.map(lambda job: run(*job), runs))
         table = "\n".join(header + [
             f"| {r['case']} | {r['level']} | {r['dtype']} | {'-' if r['errors'] is None else r['errors']} | "
             f"{r['seconds']} | {r['note'].replace('|', '/')} |" for r in rows])
@@ -157,6 +171,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for sanitize.md: every case under memcheck")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all cases (default {BUDGET_S:g})")
+    parser.add_argument("--processes", type=int, default=PROCESSES,
+                        help=f"cases under memcheck at once (default {PROCESSES})")
     parser.add_argument("--case", choices=sorted(CASES), help="run this one case, without the sanitizer")
     parser.add_argument("--level", choices=LEVELS, default="triton")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -170,7 +186,7 @@ def main(argv=None) -> int:
         parser.error("--out (every case under memcheck) or --case (one case)")
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(sanitize_all(out, budget_s=arguments.budget), flush=True)
+    print(sanitize_all(out, budget_s=arguments.budget, processes=arguments.processes), flush=True)
     return 0
 
 

@@ -592,3 +592,39 @@ def test_the_sanitize_part_counts_each_cases_errors_in_a_process_of_its_own(tmp_
     assert all(row.endswith("not run: the part's -1 s were spent |") for row in spent.splitlines()[2:])
     monkeypatch.setattr(sanitize.shutil, "which", lambda name: None)
     assert "compute-sanitizer is not on PATH" in sanitize.sanitize_all(tmp_path)
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+def test_the_sanitize_part_runs_its_cases_processes_at_a_time_and_reports_them_in_order(tmp_path, monkeypatch,
+                                                                                         processes):
+    """``processes`` children under the (stood-in) sanitizer at once, never more; the table keeps the cases'
+    order whichever child finishes first."""
+    import subprocess
+    import threading
+    import time
+
+    from profiling import sanitize
+
+    running, most, lock, first_wave_in = 0, 0, threading.Lock(), threading.Event()
+
+    def fake_run(command, capture_output, text, timeout):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+            if running == processes:
+                first_wave_in.set()
+        first_wave_in.wait(timeout=5)  # the first children wait for each other, however slowly threads start
+        # The first case's children finish last, so finishing order and case order differ.
+        time.sleep(0.2 if "head dim 40" in command[command.index("--case") + 1] else 0.0)
+        with lock:
+            running -= 1
+        return subprocess.CompletedProcess(command, 0, "========= ERROR SUMMARY: 0 errors\n", "")
+
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: "/usr/local/cuda/bin/compute-sanitizer")
+    monkeypatch.setattr(sanitize.subprocess, "run", fake_run)
+    names = ["attention causal head dim 40", "swish", "feed_forward", "attention grouped heads"]
+    table = sanitize.sanitize_all(tmp_path, names, processes=processes)
+    assert most == processes
+    rows = table.splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [name for name in names for _ in sanitize.LEVELS]
