@@ -174,11 +174,10 @@ struct LaneGroupRow {
 // kLoadsFirst: every load is issued before the first value is used, so that a thread's kPacks loads are in
 // flight together and the row's memory latency is paid once. Loaded and used pack by pack, the warps waited
 // far longer on their loads than level 4's kernel (ncu), and short float32 rows moved less of copy
-// bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md); LayerNorm's block-per-row kernel moved
-// 81.6 % of copy bandwidth at (8192, 8192) float32 on an H200 pack by pack, 93.0 % loads first. Not
-// everywhere: the same kernel's 16-bit RMSNorm took 0.069 -> 0.085 ms there with its loads first (the
-// reason is not established), and in other instances ptxas spends more registers on the hoisted loads, so
-// that kernel asks for it only where it was measured (layer_norm.cu;
+// bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md), and so did LayerNorm's float32 rows held
+// by a block, on an H200. Not everywhere: the same block kernel's 16-bit RMSNorm got slower with its loads
+// first (the reason is not established), and in other instances ptxas spends more registers on the hoisted
+// loads, so that kernel asks for it only where it was measured to help (layer_norm.cu;
 // profiling/results/h200/norm-forward-probes.md).
 template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fold>
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,

@@ -87,9 +87,8 @@ namespace kernel_ladder {
 // 94.4 % and float32 fell to 87.5 %. What matters is the number of loads each thread keeps in flight and how
 // many blocks share an SM while others wait in their two block reductions (barriers), so the budget is
 // counted in packs, not in values. (Those kernels loaded a thread's packs in turn. With every load issued
-// first, as LayerNorm's float32 rows are now loaded (load_row_packs), the count matters less: at (8192, 8192)
-// float32 on an H200, 2, 4 and 8 packs a thread all read 93 %. The backward's budget is in
-// layer_norm_backward.cu.)
+// first, as LayerNorm's float32 rows are now loaded (load_row_packs), the count mattered little on an H200:
+// profiling/results/h200/norm-forward-probes.md. The backward's budget is in layer_norm_backward.cu.)
 template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeof(T));
 // Threads of that kernel, so rows of up to kForwardValues x this: 1024 (64 KB rows in registers, where
 // longer rows go to the cluster kernels of layer_norm_long_rows.cuh, which stage the row in shared memory

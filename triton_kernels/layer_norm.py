@@ -241,10 +241,8 @@ def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     registers take two rows a program. Why: a program loads its row, then waits in two block-wide
     reductions (mean, variance) before it writes, and loads nothing while it waits; 32 values a thread
     are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for half the bytes.
-    Two rows a program keep twice the bytes in flight for the same two waits. Measured on an H200
-    (2^26 bfloat16 values, kernel time against a copy): rows of 16384, 16 warps, 57.5 % of copy bandwidth
-    with one row a program, 77.8 % with two; rows of 8192, 8 warps, 86.4 and 88.4 %. In float32, two rows
-    a program lost (8192: 96.3 against 86.7 %)."""
+    Two rows a program keep twice the bytes in flight for the same two waits. In float32 two rows a
+    program lost. Measured on an H200: ``profiling/results/h200/norm-forward-probes.md``."""
     tile = row_tile(n)
     if dtype.itemsize == 2 and not tile.looped and tile.rows_per_tile == 1 and tile.block_n >= 8192:
         return tile._replace(rows_per_tile=2)
