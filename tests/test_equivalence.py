@@ -198,12 +198,12 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
-    # The norms' kept launches were planned under the settings before these (layer_norm.launch_norm_fwd,
-    # layer_norm_backward.launch_norm_bwd_unchecked).
-    monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm"), "_NORM_FORWARD_LAUNCHES",
-                        launch_module.SignatureTable())
-    monkeypatch.setattr(importlib.import_module("triton_kernels.layer_norm_backward"), "_NORM_BACKWARD_LAUNCHES",
-                        launch_module.SignatureTable())
+    # The kept launches were planned under the settings before these (layer_norm.launch_norm_fwd,
+    # layer_norm_backward.launch_norm_bwd_unchecked, softmax.SoftmaxLaunch).
+    for module_name, table in (("triton_kernels.layer_norm", "_NORM_FORWARD_LAUNCHES"),
+                               ("triton_kernels.layer_norm_backward", "_NORM_BACKWARD_LAUNCHES"),
+                               ("triton_kernels.softmax", "_SOFTMAX_LAUNCHES")):
+        monkeypatch.setattr(importlib.import_module(module_name), table, launch_module.SignatureTable())
     try:
         launched = set()
         for module_name in ("triton_kernels.layer_norm", "triton_kernels.layer_norm_backward",

@@ -465,6 +465,33 @@ def test_a_norm_backward_plans_a_signature_once_and_each_norm_and_shape_again(mo
                        for dtype in (torch.float32, torch.float64) for rows in (4, 64)]
 
 
+def test_softmax_plans_a_signature_once_forward_and_backward_and_each_shape_and_dtype_again(monkeypatch):
+    """Softmax's launchers keep a row kernel's launch per signature (softmax.SoftmaxLaunch): a repeat call is
+    neither checked nor planned again and still matches the float64 reference, forward and backward; another
+    shape or dtype is planned anew, and rows that loop over their blocks keep the looped kernel's launch."""
+    softmax = importlib.import_module("triton_kernels.softmax")
+    planned = []
+    strategy = softmax.row_strategy
+    monkeypatch.setattr(softmax, "row_strategy", lambda rows, n, *args: planned.append((rows, n)) or
+                        strategy(rows, n, *args))
+    monkeypatch.setattr(softmax, "_SOFTMAX_LAUNCHES", softmax.SignatureTable())
+    # Rows past the forward's one-array tile, looped over both ways (on a GPU too: no cooperative grid, no split)
+    looped = launch_module.MAX_ONE_ARRAY_ROW_BLOCK + 3
+    monkeypatch.setattr(launch_module, "COOPERATIVE_ROWS", False)
+    monkeypatch.setattr(launch_module, "SPLIT_MIN_ROW", 2 * looped)
+    for dtype in (torch.float32, torch.float64):
+        module, reference = build_pair("softmax", "triton", {"dim": -1}, TRITON_DEVICE, dtype)
+        for shape in ((5, 37), (5, 37), (2, looped), (2, looped)):
+            inputs = make_inputs(module, shape, dtype, TRITON_DEVICE)
+            assert_matches_float64_reference(module, reference, inputs, levels.TOLERANCE[dtype])
+    # each new (shape, dtype) planned once forward and once backward
+    assert planned == [(rows, n) for dtype in (torch.float32, torch.float64) for rows, n in ((5, 37), (2, looped))
+                       for _ in ("forward", "backward")]
+    kernels = {plan.kernel.fn.__name__ for plan in softmax._SOFTMAX_LAUNCHES.values()}
+    assert kernels == {"_softmax_fwd_kernel", "_softmax_bwd_kernel", "softmax_fwd_online_kernel",
+                       "_softmax_bwd_looped_kernel"}
+
+
 def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_layout_again(monkeypatch):
     """Level 4's linear and feed-forward launchers, forward and backward, keep their matmuls' launches per
     signature (feed_forward._LINEAR_FORWARD_LAUNCHES and its three siblings): a repeat call plans nothing

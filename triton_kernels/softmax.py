@@ -29,7 +29,8 @@ Launch
     Longer rows are split across a cooperative grid on a GPU (softmax_split.py), read once; under the
     interpreter, and where that grid would hold too few rows at once, they get one program each, walked
     in blocks of 4096, unless they are too few to fill the SMs: then ``launch.row_strategy`` splits each
-    across programs in two phases.
+    across programs in two phases. A row kernel's launch is worked out once per signature of its inputs
+    and kept (``SoftmaxLaunch``); the split ones are planned at each call, where the GPU's time dwarfs it.
 
 Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measured alongside: 2.96 TB/s)
     8192 × 8192 float32: forward 183 µs, 2.94 TB/s (99 % of copy; torch.softmax 1.84 TB/s), backward
@@ -49,13 +50,15 @@ Check
     python -m profiling --component softmax --shape 8192 8192 --backward
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .eager import EagerFunction
-from .launch import (cdiv, check_contiguous, check_inputs, compute_dtype, exp_on_sfu, launch, on_device, require,
-                     row_matrix, row_strategy, row_tile)
+from .launch import (SignatureTable, cdiv, check_contiguous, check_inputs, compute_dtype, exp_on_sfu, launch,
+                     on_device, require, row_matrix, row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
@@ -144,41 +147,70 @@ def write_softmax_blocks(X, Y, N, row_max, row_sum, BLOCK_N: tl.constexpr, COMPU
 
 
 def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    """y = softmax(x) over x's last dim. A signature (shape, strides, dtype, device) seen before skips the
+    checks and the planning, which read nothing else: its row kernel's launch is kept (``SoftmaxLaunch``)."""
+    signature = ("softmax_forward", x.shape, x.stride(), x.dtype, x.device)
+    planned = _SOFTMAX_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(x)
     rows, n = check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
-    return _run_row_kernels(softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split, rows, n, x,
-                            one_array=True, cooperative=True)
+    return _run_row_kernels(signature, softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split,
+                            rows, n, x, one_array=True, cooperative=True)
 
 
-def _run_row_kernels(looped_kernel, tiled_kernel, split_launcher, rows: int, n: int, *inputs: torch.Tensor,
-                     one_array: bool = False, cooperative: bool = False) -> torch.Tensor:
+class SoftmaxLaunch(NamedTuple):
+    """One launch of a softmax row kernel (forward or backward), but its tensors, for one signature of its
+    inputs: at decode sizes the checks, the strategy and the tile cost a third of the launcher's host
+    time, and a model calls softmax with the same few signatures step after step. Planned under
+    launch.py's row-strategy settings of the time, as ``row_tile``'s cached answers are: code that changes
+    them empties ``_SOFTMAX_LAUNCHES`` too."""
+
+    kernel: object
+    grid: tuple[int]
+    scalars: tuple  # the kernel's arguments after its tensors
+    constants: dict
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The output, shaped like the last of ``inputs`` (x forward; dy, y backward)."""
+        out = torch.empty_like(inputs[-1])
+        with on_device(out):
+            launch(self.kernel, self.grid, *inputs, out, *self.scalars, **self.constants)
+        return out
+
+
+_SOFTMAX_LAUNCHES = SignatureTable()
+
+
+def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launcher, rows: int, n: int,
+                     *inputs: torch.Tensor, one_array: bool = False, cooperative: bool = False) -> torch.Tensor:
     """One output shaped like the (..., N) ``inputs``, walked as (``rows``, ``n``) matrices
     (``launch.row_matrix``, which the caller has already asked) by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
     (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
     few long rows split across programs (``split_launcher``, softmax_split.py). ``one_array``: the
     tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers.
-    ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row."""
-    out = torch.empty_like(inputs[-1])
+    ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row.
+    A row kernel's launch is kept under ``signature``."""
     if rows == 0:  # no elements: row_matrix counts no rows when N is 0
-        return out
-    strategy = row_strategy(rows, n, out, one_array, cooperative)
+        return torch.empty_like(inputs[-1])
+    strategy = row_strategy(rows, n, inputs[-1], one_array, cooperative)
     if strategy == "cooperative":
+        out = torch.empty_like(inputs[-1])
         split_launcher(*inputs, out, rows, n, cooperative=True)
         return out
     if strategy == "split":
+        out = torch.empty_like(inputs[-1])
         split_launcher(*inputs, out, rows, n)
         return out
     tile = row_tile(n, one_array)
-    compute = compute_dtype(out.dtype)
-    with on_device(out):
-        if tile.looped:
-            launch(looped_kernel, (rows,), *inputs, out, n, BLOCK_N=tile.block_n, COMPUTE=compute,
-                   num_warps=tile.num_warps)
-        else:
-            launch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), *inputs, out, rows, n, BLOCK_N=tile.block_n,
-                   ROWS_PER_TILE=tile.rows_per_tile, COMPUTE=compute, num_warps=tile.num_warps)
-    return out
+    constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(inputs[-1].dtype), num_warps=tile.num_warps)
+    if tile.looped:
+        planned = SoftmaxLaunch(looped_kernel, (rows,), (n,), constants)
+    else:
+        planned = SoftmaxLaunch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), (rows, n),
+                                constants | {"ROWS_PER_TILE": tile.rows_per_tile})
+    return _SOFTMAX_LAUNCHES.keep(signature, planned)(*inputs)
 
 
 # --- backward ----------------------------------------------------------------------------------------
@@ -224,10 +256,15 @@ def launch_softmax_bwd(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def launch_softmax_bwd_unchecked(grad_out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``)."""
+    """``launch_softmax_bwd`` without its checks, for the eager backward (see ``triton_kernels/__init__.py``);
+    its launch kept per signature of y (grad_out matches it, as the checks or autograd made sure)."""
+    signature = ("softmax_backward", y.shape, y.stride(), y.dtype, y.device)
+    planned = _SOFTMAX_LAUNCHES.get(signature)
+    if planned is not None:
+        return planned(grad_out, y)
     rows, n = row_matrix("softmax_backward", y)
-    return _run_row_kernels(_softmax_bwd_looped_kernel, _softmax_bwd_kernel, launch_softmax_bwd_split, rows, n,
-                            grad_out, y)
+    return _run_row_kernels(signature, _softmax_bwd_looped_kernel, _softmax_bwd_kernel, launch_softmax_bwd_split,
+                            rows, n, grad_out, y)
 
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
