@@ -172,13 +172,12 @@ struct LaneGroupRow {
 // step; a thread of a block holding the row, stride blockDim.x), and `pad` stands where a pack lies past
 // the row, or the row past the last; `fold` sees each value as it lands (a sum, a max).
 // kLoadsFirst: every load is issued before the first value is used, so that a thread's kPacks loads are in
-// flight together and the row's memory latency is paid once. Loaded and used pack by pack, the warps waited
-// far longer on their loads than level 4's kernel (ncu), and short float32 rows moved less of copy
-// bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md), and so did LayerNorm's float32 rows held
-// by a block, on an H200. Not everywhere: the same block kernel's 16-bit RMSNorm got slower with its loads
-// first (the reason is not established), and in other instances ptxas spends more registers on the hoisted
-// loads, so that kernel asks for it only where it was measured to help (layer_norm.cu;
-// profiling/results/h200/norm-forward-probes.md).
+// flight together and the row's memory latency is paid once. Loaded and used pack by pack, the warp
+// kernels' warps waited far longer on their loads than level 4's kernel (ncu) and short float32 rows moved
+// less of copy bandwidth (profiling/results/h100/level5-trailing-rows-ncu.md); so did LayerNorm's float32
+// rows held by a block (profiling/results/h200/norm-forward-probes.md). Not everywhere: that block kernel's
+// 16-bit RMSNorm got slower with its loads first, and other instances of it spend more registers on them, so
+// it asks for the order only where it was measured to help (layer_norm.cu).
 template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fold>
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
