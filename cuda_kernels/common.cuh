@@ -182,10 +182,12 @@ template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fo
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
   Pack<T, kVec> loaded[kLoadsFirst ? kPacks : 1];
+  if constexpr (kLoadsFirst) {
 #pragma unroll
-  for (int k = 0; k < (kLoadsFirst ? kPacks : 0); ++k) {
-    const int pack = first + k * stride;
-    if (row_exists && pack < n_packs) loaded[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = first + k * stride;
+      if (row_exists && pack < n_packs) loaded[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+    }
   }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
