@@ -14,9 +14,9 @@
 //   layer_norm_forward_warp_kernel      short rows (up to 32 values per lane x 32 lanes): a group of 1 to
 //                                       32 lanes per row, the row in registers, reduced with shuffles, so
 //                                       128-value rows keep all 32 lanes of a warp busy (8 rows a warp)
-//   layer_norm_forward_kernel           rows of up to 64 KB (32 KB for LayerNorm in float32/float64 and
-//                                       for rows not in 16-byte packs): one block per row; the row sits in
-//                                       registers (four 16-byte packs per thread): read once, mean, then
+//   layer_norm_forward_kernel           rows of up to 64 KB (32 KB for LayerNorm in float64 and rows not
+//                                       in 16-byte packs): one block per row; the row sits in registers
+//                                       (four or eight 16-byte packs a thread): read once, mean, then
 //                                       variance of the centred values (exact two-pass, no second read),
 //                                       normalise, write once
 //   layer_norm_forward_cluster_kernel   rows of up to 4 x 64 KB (more when the cooperative grid below does
@@ -56,17 +56,16 @@
 //   dw, db need neither atomics nor a second pass over x and dy.
 //
 // Limits
-//   Any n >= 1. Forward: rows of up to 1024 float32/half-precision values (512 float64) in a few lanes'
-//   registers, up to 64 KB in a block's registers (or 32 KB, kForwardThreads), up to 256 KB (4 x 64 KB) in
-//   a cluster's shared memory on sm_90+ when n is a multiple of the pack width, and longer such rows in
-//   64 KB slices over a cooperative grid while it holds at least 3 rows' slices at once (a 25 MB row does not
-//   fit at all); other long rows are split (too few rows to fill the GPU: x read twice, the second time
-//   from L2 while it fits) or looped (x read three times). Backward: 8192 values (4096 float64) in a
-//   block's registers, up to 16 times that in a cluster's on sm_90+ (16-byte packs); other long rows are
-//   read twice: by one block per row, or, when the rows are fewer than the blocks the GPU holds at once
-//   (sm_90 too), by column slices of every row (x and dy re-read from L2 while they fit). 16-byte loads
-//   need n to be a multiple of the pack width (4 float, 8 half, 2 double) and 16-byte-aligned pointers,
-//   else 1-element loads. rows < 2^31.
+//   Any n >= 1. Forward: rows of up to 1024 float32/half-precision values (512 float64) in a few lanes' registers, up
+//   to 64 KB in a block's registers (32 KB for LayerNorm in float64 and unvectorised rows), up to 256 KB (4 x 64 KB)
+//   in a cluster's shared memory on sm_90+ when n is a multiple of the pack width, and longer such rows in 64 KB
+//   slices over a cooperative grid while it holds at least 3 rows' slices at once (a 25 MB row does not fit at all);
+//   other long rows are split (too few rows to fill the GPU: x read twice, the second time from L2 while it fits) or
+//   looped (x read three times). Backward: 8192 values (4096 float64) in a block's registers, up to 16 times that in
+//   a cluster's on sm_90+ (16-byte packs); other long rows are read twice: by one block per row, or, when the rows
+//   are fewer than the blocks the GPU holds at once (sm_90 too), by column slices of every row (x and dy re-read from
+//   L2 while they fit). 16-byte loads need n to be a multiple of the pack width (4 float, 8 half, 2 double) and
+//   16-byte-aligned pointers, else 1-element loads. rows < 2^31.
 //   float16, bfloat16, float32 (statistics and sums in float32) and float64.
 //
 // Check
@@ -80,26 +79,33 @@
 
 namespace kernel_ladder {
 
-// Row values per thread in registers. The forward holds one array: four 16-byte packs of the input a thread
-// (16 floats, 32 halves, 8 doubles), in blocks of kForwardThreads (below). Four packs is what the H100
-// liked for both widths, measured at (8192, 8192): with 64 bytes a thread, float32 reached 93.7 % of copy
-// bandwidth and bfloat16 91.4 %; with 128 bytes (twice the values, half the threads) bfloat16 rose to
-// 94.4 % and float32 fell to 87.5 %. What matters is the number of loads each thread keeps in flight and how
-// many blocks share an SM while others wait in their two block reductions (barriers), so the budget is
-// counted in packs, not in values. (Those kernels loaded a thread's packs in turn. With every load issued
-// first, as LayerNorm's float32 rows are now loaded (load_row_packs), the count mattered little on an H200:
-// profiling/results/h200/norm-forward-probes.md. The backward's budget is in layer_norm_backward.cu.)
-template <typename T> constexpr int kForwardValues = 64 / static_cast<int>(sizeof(T));
-// Threads of that kernel, so rows of up to kForwardValues x this: 1024 (64 KB rows in registers, where
-// longer rows go to the cluster kernels of layer_norm_long_rows.cuh, which stage the row in shared memory
-// and read it three times) except in two cases, which stop at 512 (32 KB). Rows not in 16-byte packs load
-// value by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would spill.
-// And LayerNorm's 4- and 8-byte kernels need more than 32 registers a thread (ptxas -v): two 1024-thread
-// blocks would need more than an SM's 64 K registers, so one block has the SM to itself, and while it sits
-// in its two reductions nothing else on the SM reads memory; the cluster kernel is faster for those rows.
-// (Measured: profiling/results/h100/level5-trailing-rows-ncu.md.)
+// Loads first (common.cuh: load_row_packs) only where measured to help at no cost in registers: LayerNorm's
+// 4- and 8-byte rows in 16-byte packs. In 16-bit rows they gained nothing (LayerNorm) or lost (RMSNorm); in
+// the other instances ptxas gave the hoisted loads more registers (RMSNorm's float32 kernel 32 -> 38: one
+// 1024-thread block an SM instead of two; the unvectorised ones 39-46 -> 50-60).
+template <typename T, int kVec, bool kSubtractMean>
+constexpr bool kForwardLoadsFirst = kSubtractMean && kVec > 1 && sizeof(T) >= 4;
+// Threads of that kernel: 1024 except in two cases, which stop at 512. Rows not in 16-byte packs load value
+// by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would spill. And
+// LayerNorm's 4- and 8-byte kernels need more than 32 registers a thread (ptxas -v): two 1024-thread blocks
+// would need more than an SM's 64 K registers, so one block would have the SM to itself, and while it sat
+// in its two reductions nothing else on the SM would read memory (profiling/results/h100/
+// level5-trailing-rows-ncu.md).
 template <typename T, int kVec, bool kSubtractMean>
 constexpr int kForwardThreads = kVec == 1 || (kSubtractMean && sizeof(T) >= 4) ? 512 : 1024;
+// Row values per thread in registers, counted in 16-byte packs of the input: what matters is how many loads
+// a thread keeps in flight and how many blocks share an SM while others wait in their two block reductions
+// (barriers), not the number of values. Four packs (64 bytes: 16 floats, 32 halves) by default, so a
+// 1024-thread block holds a 64 KB row and longer rows go to the cluster kernels of layer_norm_long_rows.cuh.
+// Eight in LayerNorm's float32 kernel, so that its 512 threads hold 64 KB rows too (16384 floats): with its
+// loads first, 8 packs a thread moved as much of copy bandwidth as 4 on rows of 2048-8192 floats (95.0 / 94.2
+// / 93.3 % against 95.0 / 94.1 / 93.4) and rows of 16384 went from 78.4 % in a cluster of one block to 82.9 %
+// in registers, on an H200 (profiling/results/h200/norm-forward-probes.md); 61 registers a thread still fit
+// two blocks an SM. Loaded in turn, 8 packs had lost (77.3 % at 8192). float64 keeps 4: at 8 its kernel
+// takes 66 registers, one block an SM (not measured).
+template <typename T, int kVec, bool kSubtractMean>
+constexpr int kForwardValues =
+    (kForwardLoadsFirst<T, kVec, kSubtractMean> && sizeof(T) == 4 ? 128 : 64) / static_cast<int>(sizeof(T));
 
 // --- forward -------------------------------------------------------------------------------------
 
@@ -164,20 +170,15 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                           T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
                           int64_t n, Acc<T> eps) {
   using A = Acc<T>;
-  constexpr int kPacks = kForwardValues<T> / kVec;
+  constexpr int kPacks = kForwardValues<T, kVec, kSubtractMean> / kVec;
   const T* x_row = x + static_cast<int64_t>(blockIdx.x) * n;
   const int n_packs = static_cast<int>(n / kVec);  // a row held in registers has at most 16384 values
   // Thread t owns packs t, t + blockDim.x, ...: at each step a warp reads 32 adjacent packs (coalesced).
   // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
   A values[kPacks][kVec];
   A sum = 0;
-  // Loads first only where measured to help at no cost in registers (common.cuh: load_row_packs): LayerNorm's
-  // 4- and 8-byte rows in 16-byte packs. In 16-bit rows they gained nothing (LayerNorm) or lost (RMSNorm); in
-  // the other instances ptxas gave the hoisted loads more registers (RMSNorm's float32 kernel 32 -> 38: one
-  // 1024-thread block an SM instead of two; the unvectorised ones 39-46 -> 50-60).
-  constexpr bool kLoadsFirst = kSubtractMean && kVec > 1 && sizeof(T) >= 4;
-  load_row_packs<T, kVec, kPacks, kLoadsFirst>(values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0),
-                                               [&](A value) { sum += value; });
+  load_row_packs<T, kVec, kPacks, kForwardLoadsFirst<T, kVec, kSubtractMean>>(
+      values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0), [&](A value) { sum += value; });
   // (RMSNorm: mean 0, and no block reduction for it; its sum is dead code the compiler drops.)
   A mean = 0;
   if constexpr (kSubtractMean) mean = block_sum(sum) / A(n);
@@ -213,10 +214,12 @@ int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n) {
   int64_t splits = 1;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    // What one block (in registers; LayerNorm's bound, the lower) or one cluster (16 blocks' shared
-    // memory) reads once. The launcher honours a split even where RMSNorm's block could hold the row.
-    const int64_t in_registers =
-        int64_t{kForwardThreads<T, kVecOf<T>, true>} * kForwardValues<T> * static_cast<int64_t>(sizeof(T));
+    // What one block (in registers, LayerNorm's bound: 64 KB in 16-byte packs, 32 KB in float64, where
+    // RMSNorm's holds 64 KB) or one cluster (16 blocks' shared memory) reads once. The launcher honours a
+    // split even where RMSNorm's block could hold the row.
+    constexpr int kVec = kVecOf<T>;
+    const int64_t in_registers = int64_t{kForwardThreads<T, kVec, true>} * kForwardValues<T, kVec, true> *
+                                 static_cast<int64_t>(sizeof(T));
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
     const bool clusters = norm_clusters_available<T>();
     // Rows longer than a cluster of kClusterRowBlocks holds (or than a block's registers, without
@@ -252,7 +255,8 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
                            (!kSubtractMean || aligned_16(bias)) && aligned_16(y);
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
-      if (splits > 1 || n > int64_t{kForwardThreads<T, kVec, kSubtractMean>} * kForwardValues<T>) {
+      constexpr int kValues = kForwardValues<T, kVec, kSubtractMean>;
+      if (splits > 1 || n > int64_t{kForwardThreads<T, kVec, kSubtractMean>} * kValues) {
         launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps),
                                                         splits, partials, vectorise, s);
       } else if (n <= kWarpSize * kLaneRowValues<A>) {
@@ -265,7 +269,7 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
       } else {
         // One block per row: a row's reductions never leave its block.
         layer_norm_forward_kernel<T, kVec, kSubtractMean>
-            <<<static_cast<unsigned>(rows), row_threads(n, kForwardValues<T>), 0, s>>>(in, w, b, out, means, rstds, n,
+            <<<static_cast<unsigned>(rows), row_threads(n, kValues), 0, s>>>(in, w, b, out, means, rstds, n,
                                                                                         static_cast<A>(eps));
       }
     });
