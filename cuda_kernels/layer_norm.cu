@@ -99,10 +99,10 @@ constexpr int kForwardThreads = kVec == 1 || (kSubtractMean && sizeof(T) >= 4) ?
 // 1024-thread block holds a 64 KB row and longer rows go to the cluster kernels of layer_norm_long_rows.cuh.
 // Eight in LayerNorm's float32 kernel, so that its 512 threads hold 64 KB rows too (16384 floats): with its
 // loads first, 8 packs a thread moved as much of copy bandwidth as 4 on rows of 2048-8192 floats (95.0 / 94.2
-// / 93.3 % against 95.0 / 94.1 / 93.4) and rows of 16384 went from 78.4 % in a cluster of one block to 82.9 %
-// in registers, on an H200 (profiling/results/h200/norm-forward-probes.md); 61 registers a thread still fit
-// two blocks an SM. Loaded in turn, 8 packs had lost (77.3 % at 8192). float64 keeps 4: at 8 its kernel
-// takes 66 registers, one block an SM (not measured).
+// / 93.3 % against 95.0 / 94.1 / 93.4), and rows of 16384, which the cluster kernel read at 78.4 %, run at 96 %
+// in registers (61 registers a thread, still two blocks an SM), 1.17x torch.compile, on an H200
+// (profiling/results/h200/norm-forward-probes.md). Loaded in turn, 8 packs had lost (77.3 % at 8192).
+// float64 keeps 4: at 8 its kernel takes 66 registers, one block an SM (not measured).
 template <typename T, int kVec, bool kSubtractMean>
 constexpr int kForwardValues =
     (kForwardLoadsFirst<T, kVec, kSubtractMean> && sizeof(T) == 4 ? 128 : 64) / static_cast<int>(sizeof(T));
