@@ -19,6 +19,10 @@
 //                                       (four or eight 16-byte packs a thread): read once, mean, then
 //                                       variance of the centred values (exact two-pass, no second read),
 //                                       normalise, write once
+//   layer_norm_forward_prefetch_kernel  rows of 16384-32768 values in 16-byte packs (2- and 4-byte types),
+//                                       at least twice as many as SMs: a persistent grid of one 1024-thread
+//                                       block an SM, each holding a row in registers while its next row
+//                                       flies into shared memory (cp.async), so the SM's loads never stop
 //   layer_norm_forward_cluster_kernel   rows of up to 4 x 64 KB (more when the cooperative grid below does
 //                                       not apply), Hopper (sm_90) and later: a thread-block
 //                                       CLUSTER per row, each block staging a 64 KB slice in shared memory;
@@ -163,26 +167,19 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   }
 }
 
-// Rows of up to kForwardThreads x kForwardValues (64 KB or 32 KB): one block per row, the row in registers.
-template <typename T, int kVec, bool kSubtractMean>
-__global__ void __launch_bounds__(kForwardThreads<T, kVec, kSubtractMean>)
-layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
-                          T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
-                          int64_t n, Acc<T> eps) {
+// The second half of a block's work on a row it holds in registers, `values` (packs threadIdx.x,
+// + blockDim.x, ...; `sum` their sum): mean, then the variance of the centred values from registers (as
+// exact as two passes, for the price of one read), the row's statistics, y.
+template <typename T, int kVec, int kPacks, bool kSubtractMean>
+__device__ __forceinline__ void normalize_held_row(const Acc<T> (&values)[kPacks][kVec], Acc<T> sum, int64_t row,
+                                                   int64_t n, int n_packs, const T* __restrict__ weight,
+                                                   const T* __restrict__ bias, T* __restrict__ y,
+                                                   Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                                                   Acc<T> eps) {
   using A = Acc<T>;
-  constexpr int kPacks = kForwardValues<T, kVec, kSubtractMean> / kVec;
-  const T* x_row = x + static_cast<int64_t>(blockIdx.x) * n;
-  const int n_packs = static_cast<int>(n / kVec);  // a row held in registers has at most 16384 values
-  // Thread t owns packs t, t + blockDim.x, ...: at each step a warp reads 32 adjacent packs (coalesced).
-  // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
-  A values[kPacks][kVec];
-  A sum = 0;
-  load_row_packs<T, kVec, kPacks, kForwardLoadsFirst<T, kVec, kSubtractMean>>(
-      values, x_row, threadIdx.x, blockDim.x, n_packs, true, A(0), [&](A value) { sum += value; });
   // (RMSNorm: mean 0, and no block reduction for it; its sum is dead code the compiler drops.)
   A mean = 0;
   if constexpr (kSubtractMean) mean = block_sum(sum) / A(n);
-  // Variance of the centred values from registers: as exact as two passes, for the price of one read.
   A squares = 0;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
@@ -195,20 +192,115 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   }
   const A rstd = rsqrt(block_sum(squares) / A(n) + eps);
   if (threadIdx.x == 0) {
-    if constexpr (kSubtractMean) mean_out[blockIdx.x] = mean;
-    rstd_out[blockIdx.x] = rstd;
+    if constexpr (kSubtractMean) mean_out[row] = mean;
+    rstd_out[row] = rstd;
   }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const int pack = threadIdx.x + k * blockDim.x;
-    if (pack < n_packs) write_normalized_pack<T, kVec, kSubtractMean>(y + static_cast<int64_t>(blockIdx.x) * n, weight, bias, pack, values[k], mean, rstd);
+    if (pack < n_packs) write_normalized_pack<T, kVec, kSubtractMean>(y + row * n, weight, bias, pack, values[k], mean, rstd);
   }
+}
+
+// Rows of up to kForwardThreads x kForwardValues (64 KB or 32 KB): one block per row, the row in registers.
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kForwardThreads<T, kVec, kSubtractMean>)
+layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                          T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                          int64_t n, Acc<T> eps) {
+  using A = Acc<T>;
+  constexpr int kPacks = kForwardValues<T, kVec, kSubtractMean> / kVec;
+  const int64_t row = blockIdx.x;
+  const int n_packs = static_cast<int>(n / kVec);  // a row held in registers has at most 16384 values
+  // Thread t owns packs t, t + blockDim.x, ...: at each step a warp reads 32 adjacent packs (coalesced).
+  // Indices into `values` are compile-time constants after unrolling, so the array stays in registers.
+  A values[kPacks][kVec];
+  A sum = 0;
+  load_row_packs<T, kVec, kPacks, kForwardLoadsFirst<T, kVec, kSubtractMean>>(
+      values, x + row * n, threadIdx.x, blockDim.x, n_packs, true, A(0), [&](A value) { sum += value; });
+  normalize_held_row<T, kVec, kPacks, kSubtractMean>(values, sum, row, n, n_packs, weight, bias, y, mean_out, rstd_out,
+                                                     eps);
+}
+
+// Rows of 16384-32768 values in 16-byte packs of 2- or 4-byte types, at least two a block: a persistent grid
+// of one 1024-thread block an SM, each walking rows blockIdx.x, + gridDim.x, ... with the row it works on in
+// registers (32 values a thread) while its next row is already on its way into shared memory (cp.async,
+// which holds no registers while the bytes fly). A block that held one row and nothing else, as the block
+// kernel above does, left its SM's share of HBM bandwidth idle from its last load to its first store,
+// while it sat in its two block reductions: one 1024-thread block is all an SM holds of such rows (its
+// 64-register cap), so no other block read meanwhile. Measured on an H200 at 2048 rows of 32768
+// (profiling/results/h200/norm-forward-probes.md): 89.7-90.0 % of copy bandwidth in float32 (a cluster of
+// two blocks: 76.8 %), 89.4-90.1 % in bfloat16 (the block kernel: 77.7 %); at rows of 16384 the kernels
+// that hold one row a block were faster (two or more blocks an SM take turns there).
+constexpr int kPrefetchThreads = 1024;
+constexpr int kPrefetchValues = 32;  // a thread's share of the row in registers: at most 64 registers
+constexpr int64_t kPrefetchMinRowValues = 16384;
+template <typename T, int kVec>
+constexpr bool kPrefetchable = kVec > 1 && (sizeof(T) == 2 || sizeof(T) == 4);
+
+template <typename T, int kVec, bool kSubtractMean>
+__global__ void __launch_bounds__(kPrefetchThreads)
+layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
+                                   T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
+                                   int64_t rows, int64_t n, Acc<T> eps) {
+  using A = Acc<T>;
+  using P = Pack<T, kVec>;
+  constexpr int kPacks = kPrefetchValues / kVec;
+  extern __shared__ __align__(16) unsigned char next_row_bytes[];
+  P* next_row = reinterpret_cast<P*>(next_row_bytes);
+  const int n_packs = static_cast<int>(n / kVec);
+  const uint64_t read_once = evict_first_policy();
+  // Each thread copies, and later reads back, only its own packs, so its own wait orders both: no barrier.
+  const auto fetch = [&](int64_t row) {
+    const P* source = reinterpret_cast<const P*>(x + row * n);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * kPrefetchThreads;
+      if (pack < n_packs) copy_async_16_once(&next_row[pack], &source[pack], read_once);
+    }
+    copy_async_commit();
+  };
+  int64_t row = blockIdx.x;
+  if (row < rows) fetch(row);
+  for (; row < rows; row += gridDim.x) {
+    copy_async_wait<0>();
+    A values[kPacks][kVec];
+    A sum = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * kPrefetchThreads;
+      P in{};
+      if (pack < n_packs) in = next_row[pack];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        values[k][j] = pack < n_packs ? to_acc(in.val[j]) : A(0);
+        sum += values[k][j];
+      }
+    }
+    if (row + gridDim.x < rows) fetch(row + gridDim.x);  // in flight through this row's reductions and stores
+    normalize_held_row<T, kVec, kPacks, kSubtractMean>(values, sum, row, n, n_packs, weight, bias, y, mean_out,
+                                                       rstd_out, eps);
+  }
+}
+
+// The prefetching kernel's grid for these rows, or 0 where it does not take them: one block an SM, every
+// block with a second row to fetch, and the row within the shared memory a block may ask for on this GPU.
+template <typename T, int kVec>
+int prefetch_grid(int64_t rows, int64_t n) {
+  if (n <= kPrefetchMinRowValues || n > int64_t{kPrefetchThreads} * kPrefetchValues) return 0;
+  int device = 0, shared_optin = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const int multiprocessors = multiprocessor_count();
+  const bool fits = n * static_cast<int64_t>(sizeof(T)) <= shared_optin;
+  return fits && rows >= 2 * int64_t{multiprocessors} ? multiprocessors : 0;
 }
 
 // --- launchers -----------------------------------------------------------------------------------
 // LayerNorm's launcher and RMSNorm's are one template; RMSNorm passes null for the mean and the bias,
-// which its kernels never touch. By row length: a few lanes, a block's registers, then the long-row
-// kernels of layer_norm_long_rows.cuh (a cluster, a split or a looped block per row).
+// which its kernels never touch. By row length: a few lanes, a block's registers, a persistent grid
+// prefetching rows of 16384-32768 values, then the long-row kernels of layer_norm_long_rows.cuh (a cluster,
+// a split or a looped block per row).
 
 int64_t layer_norm_forward_splits(DType dtype, int64_t rows, int64_t n) {
   int64_t splits = 1;
@@ -256,6 +348,15 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
     dispatch_vector_width<T>(vectorise, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
       constexpr int kValues = kForwardValues<T, kVec, kSubtractMean>;
+      if constexpr (kPrefetchable<T, kVec>) {
+        if (const int blocks = splits == 1 ? prefetch_grid<T, kVec>(rows, n) : 0; blocks > 0) {
+          const auto kernel = layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean>;
+          const int shared_bytes = static_cast<int>(n * static_cast<int64_t>(sizeof(T)));
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+          kernel<<<blocks, kPrefetchThreads, shared_bytes, s>>>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps));
+          return;
+        }
+      }
       if (splits > 1 || n > int64_t{kForwardThreads<T, kVec, kSubtractMean>} * kValues) {
         launch_norm_forward_long_rows<T, kSubtractMean>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps),
                                                         splits, partials, vectorise, s);
