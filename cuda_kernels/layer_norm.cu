@@ -222,16 +222,16 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                                      eps);
 }
 
-// Rows of 16384-32768 values in 16-byte packs of 2- or 4-byte types, at least two a block: a persistent grid
-// of one 1024-thread block an SM, each walking rows blockIdx.x, + gridDim.x, ... with the row it works on in
-// registers (32 values a thread) while its next row is already on its way into shared memory (cp.async,
-// which holds no registers while the bytes fly). A block that held one row and nothing else, as the block
-// kernel above does, left its SM's share of HBM bandwidth idle from its last load to its first store,
-// while it sat in its two block reductions: one 1024-thread block is all an SM holds of such rows (its
-// 64-register cap), so no other block read meanwhile. Measured on an H200 at 2048 rows of 32768
-// (profiling/results/h200/norm-forward-probes.md): 89.7-90.0 % of copy bandwidth in float32 (a cluster of
-// two blocks: 76.8 %), 89.4-90.1 % in bfloat16 (the block kernel: 77.7 %); at rows of 16384 the kernels
-// that hold one row a block were faster (two or more blocks an SM take turns there).
+// Rows of 16384-32768 values in 16-byte packs of 2- or 4-byte types, at least two for every block: a persistent
+// grid of one 1024-thread block an SM, each walking rows blockIdx.x, + gridDim.x, ... with the row it works on in
+// registers (32 values a thread) while its next row is already on its way into shared memory (cp.async, which
+// holds no registers while the bytes fly). A block that held one row and nothing else, as the block kernel above
+// does, left its SM's share of HBM bandwidth idle from its last load to its first store, while it sat in its two
+// block reductions: one 1024-thread block is all an SM holds of such rows (its 64-register cap), so no other block
+// read meanwhile. Measured on an H200 at 2048 rows of 32768 (profiling/results/h200/norm-forward-probes.md):
+// 89.7-90.0 % of copy bandwidth in float32 (a cluster of two blocks: 76.8 %), 89.4-90.1 % in bfloat16 (the block
+// kernel: 77.7 %); at rows of 16384 the kernels that hold one row a block were faster (two or more blocks an SM
+// take turns there).
 constexpr int kPrefetchThreads = 1024;
 constexpr int kPrefetchValues = 32;  // a thread's share of the row in registers: at most 64 registers
 constexpr int64_t kPrefetchMinRowValues = 16384;
