@@ -89,12 +89,12 @@ namespace kernel_ladder {
 // 1024-thread block an SM instead of two; the unvectorised ones 39-46 -> 50-60).
 template <typename T, int kVec, bool kSubtractMean>
 constexpr bool kForwardLoadsFirst = kSubtractMean && kVec > 1 && sizeof(T) >= 4;
-// Threads of that kernel: 1024 except in two cases, which stop at 512. Rows not in 16-byte packs load value
-// by value, and at 1024 threads ptxas caps a thread at 64 registers, so their addresses would spill. And
-// LayerNorm's 4- and 8-byte kernels need more than 32 registers a thread (ptxas -v): two 1024-thread blocks
-// would need more than an SM's 64 K registers, so one block would have the SM to itself, and while it sat
-// in its two reductions nothing else on the SM would read memory (profiling/results/h100/
-// level5-trailing-rows-ncu.md).
+// Threads of the block kernel (layer_norm_forward_kernel, below): 1024 except in two cases, which stop at 512.
+// Rows not in 16-byte packs load value by value, and at 1024 threads ptxas caps a thread at 64 registers, so
+// their addresses would spill. And LayerNorm's 4- and 8-byte kernels need more than 32 registers a thread
+// (ptxas -v): two 1024-thread blocks would need more than an SM's 64 K registers, so one block would have the SM
+// to itself, and while it sat in its two reductions nothing else on the SM would read memory
+// (profiling/results/h100/level5-trailing-rows-ncu.md).
 template <typename T, int kVec, bool kSubtractMean>
 constexpr int kForwardThreads = kVec == 1 || (kSubtractMean && sizeof(T) >= 4) ? 512 : 1024;
 // Row values per thread in registers, counted in 16-byte packs of the input: what matters is how many loads
