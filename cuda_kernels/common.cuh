@@ -169,8 +169,9 @@ struct LaneGroupRow {
 
 // A thread's part of a row held in registers, as accumulator values: packs first, first + stride, ... (a
 // lane of a group in the short-row layout, stride kLanes, so the group reads kLanes adjacent packs at each
-// step; a thread of a block holding the row, stride blockDim.x), and `pad` stands where a pack lies past
-// the row, or the row past the last; `fold` sees each value as it lands (a sum, a max).
+// step; a thread of a block holding the row, stride blockDim.x), each from load(pack) (x read once from
+// global memory, or a row staged in shared memory), and `pad` stands where a pack lies past the row, or
+// the row past the last; `fold` sees each value as it lands (a sum, a max).
 // kLoadsFirst: every load is issued before the first value is used, so that a thread's kPacks loads are in
 // flight together and the row's memory latency is paid once. Loaded and used pack by pack, the warp
 // kernels' warps waited far longer on their loads than level 4's kernel (ncu) and short float32 rows moved
@@ -178,15 +179,21 @@ struct LaneGroupRow {
 // rows held by a block (profiling/results/h200/norm-forward-probes.md). Not everywhere: that block kernel's
 // 16-bit RMSNorm got slower with its loads first, and other instances of it spend more registers on them, so
 // it asks for the order only where it was measured to help (layer_norm.cu).
-template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Fold>
-__device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], const T* x_row, int first, int stride,
+// load_row_packs' loader for a row read from global memory once (load_pack_once: streaming, no L1 allocation).
+template <typename T, int kVec>
+__device__ __forceinline__ auto read_once_from(const T* x_row) {
+  return [x_row](int pack) { return load_pack_once<T, kVec>(x_row + pack * kVec); };
+}
+
+template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Load, typename Fold>
+__device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], Load&& load, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
   Pack<T, kVec> loaded[kLoadsFirst ? kPacks : 1];
   if constexpr (kLoadsFirst) {
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int pack = first + k * stride;
-      if (row_exists && pack < n_packs) loaded[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+      if (row_exists && pack < n_packs) loaded[k] = load(pack);
     }
   }
 #pragma unroll
@@ -197,7 +204,7 @@ __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], c
     if constexpr (kLoadsFirst) {
       in = loaded[k];
     } else if (inside) {
-      in = load_pack_once<T, kVec>(x_row + pack * kVec);
+      in = load(pack);
     }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {

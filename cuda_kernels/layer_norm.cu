@@ -130,11 +130,10 @@ layer_norm_forward_warp_kernel(const T* __restrict__ x, const T* __restrict__ we
   const bool row_exists = row < rows;
   const int lane = place.lane;
   const int n_packs = static_cast<int>(n / kVec);
-  const T* x_row = x + row * n;
   A values[kPacks][kVec];
   A sum = 0;
-  load_row_packs<T, kVec, kPacks>(values, x_row, lane, kLanes, n_packs, row_exists, A(0),
-                                  [&](A value) { sum += value; });
+  load_row_packs<T, kVec, kPacks>(values, read_once_from<T, kVec>(x + row * n), lane, kLanes, n_packs, row_exists,
+                                  A(0), [&](A value) { sum += value; });
   A mean = 0;  // RMSNorm's: no reduction for it
   if constexpr (kSubtractMean) mean = warp_reduce<kLanes>(sum, Add{}) / A(n);
   A squares = 0;
@@ -217,7 +216,8 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
   A values[kPacks][kVec];
   A sum = 0;
   load_row_packs<T, kVec, kPacks, kForwardLoadsFirst<T, kVec, kSubtractMean>>(
-      values, x + row * n, threadIdx.x, blockDim.x, n_packs, true, A(0), [&](A value) { sum += value; });
+      values, read_once_from<T, kVec>(x + row * n), threadIdx.x, blockDim.x, n_packs, true, A(0),
+      [&](A value) { sum += value; });
   normalize_held_row<T, kVec, kPacks, kSubtractMean>(values, sum, row, n, n_packs, weight, bias, y, mean_out, rstd_out,
                                                      eps);
 }
@@ -266,17 +266,10 @@ layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict_
     copy_async_wait<0>();
     A values[kPacks][kVec];
     A sum = 0;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int pack = threadIdx.x + k * kPrefetchThreads;
-      P in{};
-      if (pack < n_packs) in = next_row[pack];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        values[k][j] = pack < n_packs ? to_acc(in.val[j]) : A(0);
-        sum += values[k][j];
-      }
-    }
+    // In turn: shared memory answers in a few dozen cycles, and a second copy of the row in registers beside
+    // the first (loads first) made ptxas spill 92-212 bytes a thread at this kernel's 64-register cap.
+    load_row_packs<T, kVec, kPacks, false>(values, [next_row](int pack) { return next_row[pack]; }, threadIdx.x,
+                                           kPrefetchThreads, n_packs, true, A(0), [&](A value) { sum += value; });
     if (row + gridDim.x < rows) fetch(row + gridDim.x);  // in flight through this row's reductions and stores
     normalize_held_row<T, kVec, kPacks, kSubtractMean>(values, sum, row, n, n_packs, weight, bias, y, mean_out,
                                                        rstd_out, eps);
@@ -288,12 +281,12 @@ layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict_
 template <typename T, int kVec>
 int prefetch_grid(int64_t rows, int64_t n) {
   if (n <= kPrefetchMinRowValues || n > int64_t{kPrefetchThreads} * kPrefetchValues) return 0;
+  const int multiprocessors = multiprocessor_count();
+  if (rows < 2 * int64_t{multiprocessors}) return 0;
   int device = 0, shared_optin = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  const int multiprocessors = multiprocessor_count();
-  const bool fits = n * static_cast<int64_t>(sizeof(T)) <= shared_optin;
-  return fits && rows >= 2 * int64_t{multiprocessors} ? multiprocessors : 0;
+  return n * static_cast<int64_t>(sizeof(T)) <= shared_optin ? multiprocessors : 0;
 }
 
 // --- launchers -----------------------------------------------------------------------------------

@@ -74,11 +74,10 @@ softmax_forward_warp_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t 
   const bool row_exists = row < rows;
   const int lane = place.lane;
   const int n_packs = static_cast<int>(n / kVec);
-  const T* x_row = x + row * n;
   A values[kPacks][kVec];
   MaxSum<A> mine;
-  load_row_packs<T, kVec, kPacks>(values, x_row, lane, kLanes, n_packs, row_exists, A(-INFINITY),
-                                  [&](A value) { mine.max = fmax(mine.max, value); });
+  load_row_packs<T, kVec, kPacks>(values, read_once_from<T, kVec>(x + row * n), lane, kLanes, n_packs, row_exists,
+                                  A(-INFINITY), [&](A value) { mine.max = fmax(mine.max, value); });
   // A lane past the end of a short row holds only padding (max -inf): shift by 0 instead, so its
   // exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN, which would poison the row's sum.
   const A shift = mine.max == A(-INFINITY) ? A(0) : mine.max;
