@@ -232,7 +232,7 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
 // 89.7-90.0 % of copy bandwidth in float32 (a cluster of two blocks: 76.8 %), 89.4-90.1 % in bfloat16 (the block
 // kernel: 77.7 %); at rows of 16384 the kernels that hold one row a block were faster (two or more blocks an SM
 // take turns there). Longer rows are not split over this grid: a row's blocks would have to meet before any of them
-// writes, and while an SM's one or two such blocks wait for the others, nothing on it loads but the prefetch already
+// writes, and while an SM's one to four such blocks wait for the others, nothing on it loads but the prefetch already
 // in flight. layer_norm_long_rows.cuh's kernels (64 KB slices staged in shared memory, three blocks an SM; two passes
 // for the longest float32 rows) won 14 of 16 sweep points against three ways of meeting
 // (profiling/results/h200/norm-forward-probes.md, last section).
