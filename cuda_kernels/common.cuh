@@ -167,6 +167,12 @@ struct LaneGroupRow {
   static unsigned blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
 };
 
+// load_row_packs' loader for a row read from global memory once (load_pack_once: streaming, no L1 allocation).
+template <typename T, int kVec>
+__device__ __forceinline__ auto read_once_from(const T* x_row) {
+  return [x_row](int pack) { return load_pack_once<T, kVec>(x_row + pack * kVec); };
+}
+
 // A thread's part of a row held in registers, as accumulator values: packs first, first + stride, ... (a
 // lane of a group in the short-row layout, stride kLanes, so the group reads kLanes adjacent packs at each
 // step; a thread of a block holding the row, stride blockDim.x), each from load(pack) (x read once from
@@ -179,12 +185,6 @@ struct LaneGroupRow {
 // rows held by a block (profiling/results/h200/norm-forward-probes.md). Not everywhere: that block kernel's
 // 16-bit RMSNorm got slower with its loads first, and other instances of it spend more registers on them, so
 // it asks for the order only where it was measured to help (layer_norm.cu).
-// load_row_packs' loader for a row read from global memory once (load_pack_once: streaming, no L1 allocation).
-template <typename T, int kVec>
-__device__ __forceinline__ auto read_once_from(const T* x_row) {
-  return [x_row](int pack) { return load_pack_once<T, kVec>(x_row + pack * kVec); };
-}
-
 template <typename T, int kVec, int kPacks, bool kLoadsFirst = true, typename Load, typename Fold>
 __device__ __forceinline__ void load_row_packs(Acc<T> (&values)[kPacks][kVec], Load&& load, int first, int stride,
                                                int n_packs, bool row_exists, Acc<T> pad, Fold&& fold) {
@@ -240,6 +240,27 @@ bool compiled_for_clusters(Kernel kernel) {
   cudaFuncAttributes attributes;
   if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return false;
   return attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
+}
+
+// The most dynamic shared memory a block of `kernel` may ask for on the current GPU: the per-block opt-in
+// limit (227 KB on Hopper, 163 KB on an A100, 99 KB on most consumer GPUs) less the kernel's own static
+// shared memory (block_reduce's, say), which a launch must fit beside it. Driver queries, asked once per
+// device and kernel; 0 if one fails (its error cleared, so the next launch's check does not report it).
+template <typename... Params>
+int64_t dynamic_shared_bytes_limit(void (*kernel)(Params...)) {
+  return memoised_per_device(
+      [kernel] {
+        int device = 0, per_block = 0;
+        cudaFuncAttributes attributes;
+        if (cudaGetDevice(&device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+            cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+          cudaGetLastError();
+          return int64_t{0};
+        }
+        return per_block - static_cast<int64_t>(attributes.sharedSizeBytes);
+      },
+      reinterpret_cast<const void*>(kernel));
 }
 
 // Clusters of 9 to 16 blocks are "non-portable", and dynamic shared memory beyond 48 KB must be asked

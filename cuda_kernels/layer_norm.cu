@@ -282,15 +282,13 @@ layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict_
 
 // The prefetching kernel's grid for these rows, or 0 where it does not take them: one block an SM, every
 // block with a second row to fetch, and the row within the shared memory a block may ask for on this GPU.
-template <typename T, int kVec>
+template <typename T, int kVec, bool kSubtractMean>
 int prefetch_grid(int64_t rows, int64_t n) {
   if (n <= kPrefetchMinRowValues || n > int64_t{kPrefetchThreads} * kPrefetchValues) return 0;
   const int multiprocessors = multiprocessor_count();
   if (rows < 2 * int64_t{multiprocessors}) return 0;
-  int device = 0, shared_optin = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return n * static_cast<int64_t>(sizeof(T)) <= shared_optin ? multiprocessors : 0;
+  const int64_t shared_limit = dynamic_shared_bytes_limit(layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean>);
+  return n * static_cast<int64_t>(sizeof(T)) <= shared_limit ? multiprocessors : 0;
 }
 
 // --- launchers -----------------------------------------------------------------------------------
@@ -346,7 +344,7 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
       constexpr int kVec = decltype(vec)::value;
       constexpr int kValues = kForwardValues<T, kVec, kSubtractMean>;
       if constexpr (kPrefetchable<T, kVec>) {
-        if (const int blocks = splits == 1 ? prefetch_grid<T, kVec>(rows, n) : 0; blocks > 0) {
+        if (const int blocks = splits == 1 ? prefetch_grid<T, kVec, kSubtractMean>(rows, n) : 0; blocks > 0) {
           const auto kernel = layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean>;
           const int shared_bytes = static_cast<int>(n * static_cast<int64_t>(sizeof(T)));
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);

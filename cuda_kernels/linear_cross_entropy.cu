@@ -155,22 +155,11 @@ cross_entropy_staged_rows_kernel(T* logits, const int64_t* __restrict__ targets,
 }
 
 // The longest row the staged kernel takes on the current GPU: kStagedRowBytes, or less where a block may
-// have less shared memory (227 KB on Hopper, 163 KB on an A100, 99 KB on most consumer GPUs), less the
-// kernel's own static shared memory (block_reduce's). Driver queries, asked once per device; if one fails,
-// 0, and the two-pass kernel takes every row.
+// have less shared memory (common.cuh's dynamic_shared_bytes_limit; 0 if the driver could not say, and the
+// two-pass kernel takes every row).
 template <typename T>
 int64_t staged_row_bytes_limit() {
-  return memoised_per_device([] {
-    int device = 0, per_block = 0;
-    cudaFuncAttributes attributes;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        cudaFuncGetAttributes(&attributes, cross_entropy_staged_rows_kernel<T>) != cudaSuccess) {
-      cudaGetLastError();  // clear it, so the next launch's check does not report it as its own
-      return int64_t{0};
-    }
-    return std::min<int64_t>(kStagedRowBytes, per_block - static_cast<int64_t>(attributes.sharedSizeBytes));
-  });
+  return std::min<int64_t>(kStagedRowBytes, dynamic_shared_bytes_limit(cross_entropy_staged_rows_kernel<T>));
 }
 
 // The rows the staged kernel does not take (not in whole 16-byte packs, or longer than kStagedRowBytes), in
