@@ -27,12 +27,10 @@
 // __CUDA_ARCH_FEAT_SM90_ALL there), so the same .cu files also compile for sm_80 and plain sm_90.
 #pragma once
 
-#include <cuda.h>  // CUtensorMap (a type only: the kernels need no libcuda symbol)
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
-
 #include <atomic>
 
 #include "common.cuh"
+#include "driver_api.h"  // CUtensorMap, and cuTensorMapEncodeTiled without linking libcuda
 #include "tensor_core.cuh"  // pack_pair
 
 namespace kernel_ladder {
@@ -482,20 +480,11 @@ constexpr bool kHopperImageBuilt = true;  // the build added -gencode arch=compu
 constexpr bool kHopperImageBuilt = false;
 #endif
 
-// cuTensorMapEncodeTiled is a driver (libcuda) function; the runtime hands out its address, so the
-// extension needs no -lcuda. Looked up once; null if this driver has none.
+// cuTensorMapEncodeTiled is a driver (libcuda) function (driver_api.h). Looked up once; null if this
+// driver has none.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encode_function() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
-#else
-    cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &function, cudaEnableDefault, &found);
-#endif
-    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function)
-                                                : nullptr;
-  }();
+  static const auto encode =
+      driver_function<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled", 12000);
   return encode;
 }
 

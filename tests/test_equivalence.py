@@ -197,6 +197,8 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
     launch_module = importlib.import_module("triton_kernels.launch")
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
+    # The kernels are seen where Python launches them: no call replayed from C++ (triton_kernels/replay.py).
+    monkeypatch.setattr(importlib.import_module("triton_kernels.replay"), "REPLAY", False)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
     # The kept launches were planned under the settings before these (layer_norm.launch_norm_fwd,
     # layer_norm_backward.launch_norm_bwd_unchecked, softmax.SoftmaxLaunch).

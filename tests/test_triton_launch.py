@@ -572,3 +572,231 @@ def test_a_signature_table_starts_again_once_full():
     assert table.keep("a", 1) == 1 and table.keep("b", 2) == 2
     table.keep("c", 3)
     assert table == {"c": 3}
+
+
+# --- calls replayed from C++ (triton_kernels/replay.py) -------------------------------------------------
+
+replay = importlib.import_module("triton_kernels.replay")
+
+# What the stand-in CompiledKernel says about itself, as Triton's would: its parameters' types (constexprs
+# included), its launch metadata, and its PTX entry (the four arguments, then Triton's two scratch pointers).
+_SCALE_SIGNATURE = {"X": "*fp32", "Y": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr", "COMPUTE": "constexpr"}
+_SCALE_PTX = """.visible .entry _scale_kernel(
+	.param .u64 .ptr .global .align 1 _scale_kernel_param_0,
+	.param .u64 .ptr .global .align 1 _scale_kernel_param_1,
+	.param .u32 _scale_kernel_param_2,
+	.param .f32 _scale_kernel_param_3,
+	.param .u64 .ptr .global .align 1 _scale_kernel_param_4,
+	.param .u64 .ptr .global .align 1 _scale_kernel_param_5
+)"""
+
+
+@pytest.fixture
+def compiled_scale_kernel(kernel):
+    compiled = kernel.recorder.compiled
+    compiled.function = 0xF00D
+    compiled.src = type("Source", (), {"signature": _SCALE_SIGNATURE})()
+    compiled.metadata = type("Metadata", (), {"num_warps": 4, "shared": 512, "num_ctas": 1})()
+    compiled.asm = {"ptx": _SCALE_PTX}
+    return kernel
+
+
+def _bits(value: float) -> int:
+    return int.from_bytes(torch.tensor([value], dtype=torch.float32).numpy().tobytes(), "little")
+
+
+def test_a_pass_of_allocations_and_launches_is_recorded_slot_by_slot(compiled_scale_kernel):
+    x = torch.randn(64)
+    with replay.Recorder([x, 0.5]) as forward:  # the arguments' slots; the float has none
+        out = torch.empty_like(x)
+        statistics = x.new_empty((8, 8))
+        call(compiled_scale_kernel, x, out, n=64, scale=1.5, grid=(4,))  # through the JIT
+        call(compiled_scale_kernel, out, statistics, n=64, scale=-2.0, grid=(2, 3))  # straight to the launcher
+    record = forward.forward_record(out, [x, statistics])
+    assert not isinstance(record, replay.Refused), record
+    allocations, launches, output_slot, saved_slots = record
+    assert allocations == [[6, 64], [6, 8, 8]]  # c10::ScalarType Float, then the shape
+    aligned = replay._ALIGNED_TENSOR
+    scratch = [replay._BITS64, 0, replay._BITS64, 0]
+    assert launches == [
+        [0xF00D, 4, 1, 1, 128, 512, aligned, 0, aligned, 2, replay._BITS32, 64, replay._BITS32, _bits(1.5), *scratch],
+        [0xF00D, 2, 3, 1, 128, 512, aligned, 2, aligned, 3, replay._BITS32, 64, replay._BITS32, _bits(-2.0), *scratch],
+    ]
+    assert (output_slot, saved_slots) == (2, [0, 3])
+    grad = torch.randn(64)
+    with replay.Recorder([grad, x, statistics]) as backward:
+        grad_x = torch.empty_like(x)
+        call(compiled_scale_kernel, grad, grad_x, n=64, grid=(4,))
+    assert backward.backward_record((grad_x, None))[2] == [3, -1]
+
+
+@pytest.mark.parametrize("case", ["a zero-filled buffer", "a view into a buffer", "a gradient that is a view",
+                                  "a PTX of other parameters", "a kernel through the JIT"])
+def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_kernel, monkeypatch, case):
+    grad, saved = torch.randn(64), torch.randn(64)
+    if case == "a PTX of other parameters":  # e.g. a Triton that passes one scratch pointer fewer, as 32 bits
+        compiled_scale_kernel.recorder.compiled.asm = {
+            "ptx": _SCALE_PTX.replace(".u64 .ptr .global .align 1 _scale_kernel_param_5", ".u32 _scale_kernel_param_5")}
+    if case == "a kernel through the JIT":
+        monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
+    with replay.Recorder([grad, saved]) as recorder:
+        buffer = torch.zeros_like(saved) if case == "a zero-filled buffer" else torch.empty(128)
+        call(compiled_scale_kernel, grad, buffer[64:] if case == "a view into a buffer" else buffer, n=64, grid=(4,))
+    gradient = buffer[:64] if case == "a gradient that is a view" else buffer
+    assert isinstance(recorder.backward_record((gradient, None)), replay.Refused)
+
+
+def _extension_ops():
+    pytest.importorskip("cuda_kernels.ops")  # builds level 5's extension (the CPU one here)
+    return torch.ops.cuda_kernels
+
+
+def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
+    """The op's autograd, on the CPU with a plan of allocations only (no kernels to launch): the output, its
+    node's edges, the gradient buffers, and PyTorch's own errors for a saved tensor changed in place, a
+    second backward, a second derivative and a forgotten plan."""
+    ops = _extension_ops()
+    # forward: slots x, weight, eps, then out (8, 4); saved: x. backward: grad, x, then grad_x and grad_weight
+    number = ops.make_triton_plan.default([[6, 8, 4]], [], 3, [0], [[6, 8, 4], [6, 4]], [], [2, 3, -1])
+    x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    out = ops.run_triton_plan.default([x, weight, None], number)
+    assert out.shape == (8, 4) and out.grad_fn.name() == "TritonBackward"
+    assert [node.name() if node else None for node, _ in out.grad_fn.next_functions] == [
+        "torch::autograd::AccumulateGrad", "torch::autograd::AccumulateGrad", None]
+    out.backward(torch.ones(8, 4))
+    assert x.grad.shape == (8, 4) and weight.grad.shape == (4,)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward(torch.ones(8, 4))
+    with torch.no_grad():
+        assert ops.run_triton_plan.default([x, weight, None], number).grad_fn is None
+    y = x * 1.0
+    out = ops.run_triton_plan.default([y, weight, None], number)
+    y.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.ones(8, 4))
+    direction = torch.ones(8, 4, requires_grad=True)
+    (first,) = torch.autograd.grad(ops.run_triton_plan.default([x, weight, None], number), x, direction, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        first.sum().backward()
+    ops.release_triton_plan.default(number)
+    with pytest.raises(RuntimeError, match="no plan number"):
+        ops.run_triton_plan.default([x, weight, None], number)
+    with pytest.raises(RuntimeError, match="the output must be a forward allocation"):
+        ops.make_triton_plan.default([[6, 8, 4]], [], 2, [0], [[6, 8, 4], [6, 4]], [], [2, 3, -1])
+
+
+def _node_names(output: torch.Tensor) -> set[str]:
+    """The names of every node of ``output``'s autograd graph."""
+    names, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(node.name())
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _fresh_fwd_bwd_matches(module, reference, shape, dtype):
+    """One forward+backward of fresh random inputs against the float64 reference (gradients zeroed first);
+    returns the names of the nodes of a second forward's graph."""
+    module.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    inputs = make_inputs(module, shape, dtype, "cuda")
+    assert_matches_float64_reference(module, reference, inputs, levels.TOLERANCE[dtype])
+    return _node_names(module(inputs[0].requires_grad_()))
+
+
+_REPLAYED = [("swish", {"beta": 1.3}, (8, 768)), ("layer_norm", {"normalized_shape": 768}, (64, 768)),
+             ("layer_norm", {"normalized_shape": 96}, (1000, 96)), ("rms_norm", {"normalized_shape": 768}, (64, 768)),
+             ("softmax", {"dim": -1}, (64, 1024))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("component,config,shape", _REPLAYED, ids=[f"{c}-{s[0]}x{s[1]}" for c, _, s in _REPLAYED])
+def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, config, shape, dtype):
+    module, reference = build_pair(component, "triton", config, "cuda", dtype)
+    (x,) = make_inputs(module, shape, dtype, "cuda")
+    assert "TritonBackward" not in _node_names(module(x.requires_grad_()))  # recorded, but not its backward yet
+    for _ in range(4):  # the first backward runs in Python and is recorded; fresh inputs each time after it
+        assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype), _refusals()
+
+
+def _refusals() -> list[str]:
+    """Why each signature refused so far keeps its Python backward, for a failing test to say."""
+    eager = importlib.import_module("triton_kernels.eager")
+    return [f"{function.__name__}: {plan}" for function in eager.EagerFunction.__subclasses__()
+            for plan in function._replay_plans.values() if isinstance(plan, replay.Refused)]
+
+
+@pytest.mark.gpu
+def test_a_backward_that_runs_pytorch_ops_stays_in_python_and_right(monkeypatch):
+    softmax = importlib.import_module("triton_kernels.softmax")
+    launch_backward = softmax.launch_softmax_bwd_unchecked
+
+    def with_a_pytorch_op(grad_out, y):
+        torch.zeros(1, device=y.device)  # work the node could not replay
+        return launch_backward(grad_out, y)
+
+    monkeypatch.setattr(softmax, "launch_softmax_bwd_unchecked", with_a_pytorch_op)
+    module, reference = build_pair("softmax", "triton", {"dim": -1}, "cuda", torch.float32)
+    for _ in range(3):
+        assert "TritonBackward" not in _fresh_fwd_bwd_matches(module, reference, (48, 520), torch.float32)
+
+
+@pytest.mark.gpu
+def test_switched_off_no_backward_is_replayed(monkeypatch):
+    monkeypatch.setattr(replay, "REPLAY", False)
+    module, reference = build_pair("layer_norm", "triton", {"normalized_shape": 200}, "cuda", torch.float32)
+    for _ in range(3):
+        assert "TritonBackward" not in _fresh_fwd_bwd_matches(module, reference, (24, 200), torch.float32)
+
+
+def _replayed_layer_norm(shape=(32, 256), dtype=torch.float32):
+    """A level-4 LayerNorm whose signature ``shape`` has been recorded, so its next backward is the C++ node."""
+    module, reference = build_pair("layer_norm", "triton", {"normalized_shape": shape[-1]}, "cuda", dtype)
+    _fresh_fwd_bwd_matches(module, reference, shape, dtype)
+    return module, reference
+
+
+@pytest.mark.gpu
+def test_the_node_refuses_a_saved_tensor_changed_in_place_and_a_second_backward():
+    module, _ = _replayed_layer_norm()
+    x = (torch.randn(32, 256, device="cuda", requires_grad=True) * 1.0)  # not a leaf: may change in place
+    out = module(x)
+    assert "TritonBackward" in _node_names(out)
+    x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out = module(torch.randn(32, 256, device="cuda", requires_grad=True))
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_the_node_takes_a_gradient_at_an_unaligned_address():
+    module, reference = _replayed_layer_norm(dtype=torch.bfloat16)
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(32 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(32, 256)  # 2 bytes in
+    out = module(x)
+    assert "TritonBackward" in _node_names(out)
+    out.backward(grad_out)
+    x64 = x.detach().double().requires_grad_()
+    reference(x64).backward(grad_out.double())
+    assert levels.relative_max_error(x.grad, x64.grad) <= levels.TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_the_node_makes_a_second_derivative_raise():
+    module, reference = _replayed_layer_norm()
+    x = torch.randn(32, 256, device="cuda", requires_grad=True)
+    direction = torch.randn_like(x, requires_grad=True)
+    out = module(x)
+    assert "TritonBackward" in _node_names(out)
+    (first,) = torch.autograd.grad(out, x, direction, create_graph=True)
+    x64 = x.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(reference(x64), x64, direction.detach().double())
+    assert levels.relative_max_error(first, expected) <= levels.TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        first.sum().backward()

@@ -5,24 +5,33 @@ pays around it, which at decode sizes is most of a call (profiling/results/host_
 
 import torch
 
+from . import replay
+from .launch import SignatureTable
+
 _FUNCTION_APPLY_IN_CPP = torch._C._FunctionBase.__dict__["apply"]  # where Function.apply ends up
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _grad_enabled = torch.is_grad_enabled
 
 
-def first_order_only(backward):
+def first_order_only(backward, plans: SignatureTable):
     """``torch.autograd.function.once_differentiable`` for an ``EagerFunction``'s backward, minus its cost
     on the usual path; ``EagerFunction`` (below) makes it the ``apply`` of its graph nodes. A plain
     ``.backward()`` runs the backward with grad mode off: nothing records a graph, so the backward runs
     as it is. Grad mode is on only under ``create_graph=True``; then ``once_differentiable`` itself runs
     it, and a second derivative raises instead of coming out silently as zero. (It would wrap every call
-    in ``torch.no_grad()``: a Python context manager, entered and left per backward.)"""
+    in ``torch.no_grad()``: a Python context manager, entered and left per backward.)
+
+    The first backward of a recorded forward is recorded too, for ``plans`` (``replay``: the signature's
+    later calls are then C++)."""
     guarded = torch.autograd.function.once_differentiable(backward)
 
     def first_order(ctx, *grads):
         if _grad_enabled():
             return guarded(ctx, *grads)
+        pending = getattr(ctx, "pending", None)
+        if pending is not None and plans.get(pending.signature) is pending:
+            return replay.record_backward(backward, ctx, grads, plans)
         return backward(ctx, *grads)
 
     return first_order
@@ -34,7 +43,8 @@ class _EagerFunctionMeta(torch.autograd.function.FunctionMeta):
     def __init__(cls, name, bases, attrs):
         super().__init__(name, bases, attrs)
         cls._apply_in_cpp = _FUNCTION_APPLY_IN_CPP.__get__(None, cls)
-        cls._backward_cls.apply = first_order_only(cls.backward)
+        cls._replay_plans = SignatureTable()  # signature -> replay.Plan, Pending or Refused
+        cls._backward_cls.apply = first_order_only(cls.backward, cls._replay_plans)
 
 
 class EagerFunction(torch.autograd.Function, metaclass=_EagerFunctionMeta):
@@ -50,10 +60,23 @@ class EagerFunction(torch.autograd.Function, metaclass=_EagerFunctionMeta):
     ``backward`` and ``vjp`` on the Function (to refuse a class that defines both) and whether it wants
     its gradients boxed, on every call, before it calls ``backward``. Here each node's ``apply`` is
     ``first_order_only(backward)``, made once when the Function is defined: subclasses define
-    ``backward`` (never ``vjp``), and it is first-order only."""
+    ``backward`` (never ``vjp``), and it is first-order only.
+
+    On a GPU, a signature whose first forward and backward were recorded replayable (``replay``) skips
+    all of this: its later calls are one C++ op, and their backward a C++ node."""
 
     @classmethod
     def apply(cls, *args):
         if _functorch_transforms_active():
             return super().apply(*args)
-        return cls._apply_in_cpp(*[_unwrap_if_dead(arg) if isinstance(arg, torch.Tensor) else arg for arg in args])
+        args = [_unwrap_if_dead(arg) if isinstance(arg, torch.Tensor) else arg for arg in args]
+        if not replay.REPLAY:
+            return cls._apply_in_cpp(*args)
+        plan = cls._replay_plans.get(replay.signature(args))
+        if plan.__class__ is replay.Plan:
+            return replay.run(args, plan)
+        if plan is None:
+            return replay.record_forward(cls, args, cls._replay_plans)
+        if plan.__class__ is replay.Pending:
+            return replay.await_backward(cls, args, plan)
+        return cls._apply_in_cpp(*args)  # replay.Refused

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import operator
 import os
+import threading
 from typing import NamedTuple, Sequence
 
 import numpy
@@ -458,12 +459,30 @@ time one against the other. The interpreter always takes Triton's own path."""
 _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, values of the parameters after args)
 # (The entry holds the kernel itself so that the id(kernel) in its key can never be reused.)
 
+RECORDERS: dict[int, object] = {}
+"""The ``replay.Recorder`` watching a forward or a backward, by thread, while one does: ``launch`` tells
+it each kernel it starts, ``launch_cooperative`` that the pass cannot be replayed."""
+
+
+def _record(entry, grid, args) -> None:
+    recorder = RECORDERS.get(threading.get_ident())
+    if recorder is not None:
+        recorder.launched(entry, grid, args)
+
+
+def _refuse_to_record(why: str) -> None:
+    recorder = RECORDERS.get(threading.get_ident())
+    if recorder is not None:
+        recorder.refuse(why)
+
 
 def launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``: tensors and scalars positionally, constexprs and launch
     options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels. An
     autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
     if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
+        if RECORDERS:
+            _refuse_to_record(f"{kernel} launched through Triton's JIT")
         kernel[grid](*args, **constants)
         return
     device = _current_cuda_device()
@@ -472,8 +491,12 @@ def launch(kernel, grid, *args, **constants) -> None:
     if entry is None:
         compiled = kernel[grid](*args, **constants)  # Triton binds, specializes, compiles or finds, launches
         if isinstance(compiled, triton.compiler.CompiledKernel):
-            _compiled_kernels[key] = (kernel, compiled, _constant_tail(kernel, args, constants))
+            entry = _compiled_kernels[key] = (kernel, compiled, _constant_tail(kernel, args, constants))
+        if RECORDERS:
+            _record(entry, grid, args)
         return
+    if RECORDERS:
+        _record(entry, grid, args)
     _, compiled, tail = entry
     # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
     # the CompiledKernel at each launch; no launch metadata and no hooks, since _hooked found none.
@@ -575,6 +598,8 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     The grid holds as many whole rows at once as fit (``cooperative_rows_at_once``). Returns False,
     launching nothing, when fewer than ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit:
     the caller runs its two phases. The row counters go among ``args`` as ``ROW_ARRIVALS``."""
+    if RECORDERS:
+        _refuse_to_record("a cooperative grid (its row counters are zeroed per call)")
     _, compiled, resident, tail = _cooperative_entry(kernel, args, constants)
     rows_at_once = _rows_at_once(resident, rows, slices)
     if not rows_at_once:
