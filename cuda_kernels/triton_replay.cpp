@@ -3,12 +3,11 @@
 //
 // Why it lives here. A level-4 call from Python pays Triton's Python launcher per kernel, and on a GPU its
 // backward, a torch.autograd.Function's Python, runs on PyTorch's autograd device thread, where Python runs
-// cold: at GPT-2's LayerNorm rows on an H200 that thread cost level 4 193 us of a 370 us forward+backward
-// (profiling/results/h200/README.md, "Autograd's device thread"). Level 5 pays neither: its autograd is C++
-// (binding.h). triton_kernels/replay.py records, once per input signature, what level 4's Python forward and
-// backward did: which compiled Triton kernels they launched, with which grids and arguments, and which
-// buffers they allocated. Every later call of that signature is one op of this file: allocate, launch,
-// attach a C++ backward node that allocates and launches in turn.
+// cold (profiling/results/h200/README.md, "Autograd's device thread"). Level 5 pays neither: its launches
+// and its autograd are C++ (binding.h). triton_kernels/replay.py records, once per input signature, what
+// level 4's Python forward and backward did: which compiled Triton kernels they launched, with which grids
+// and arguments, and which buffers they allocated. Every later call of that signature is one op of this
+// file: allocate, launch, attach a C++ backward node that allocates and launches in turn.
 //
 //   cuda_kernels::make_triton_plan(int[][] forward_allocations, int[][] forward_launches, int output,
 //                                  int[] saved, int[][] backward_allocations, int[][] backward_launches,
@@ -29,8 +28,8 @@
 //   cuda_kernels::release_triton_plan(int plan) -> ()
 //     forgets a plan (nodes already made keep theirs).
 //
-// The plan is a number, not a TorchScript custom class: an op argument of a custom class costs ~12 us to
-// convert from Python, more than the whole launch it replaces.
+// The plan is a number, not a TorchScript custom class: converting an op argument of a custom class from
+// Python costs more than the whole launch it replaces (profiling/results/h200/replay-from-cpp.md).
 //
 // Launching. Triton's launcher passes a kernel its non-constexpr arguments in order, then its scratch
 // pointers (null when the kernel asks for no scratch); the recorder checked that list against the kernel's

@@ -47,6 +47,11 @@ a third way to register: it is a custom op too, so its eager calls pay the same 
 a context manager), and its gain is under torch.compile, where Inductor traces into the kernels. It would
 not make eager calls cheaper, so the two doors stay. Both run the same kernels.
 
+On a GPU the eager door has a shortcut (``replay.py``): the first call of an input signature, and its
+first backward, run the Function under a recorder, and when each was only allocations and launches,
+later calls of that signature are one C++ op of level 5's extension that launches the same compiled
+kernels, its backward a C++ autograd node: no Python past the call, none on autograd's device thread.
+
 Where the checks run. A launcher checks what reaches it (the ops and the package functions take
 anything a caller passes). A level module's forward checks the user's arguments first, so that its
 errors speak of the module, and the launcher then checks the tensors it was handed: two layers, each a

@@ -3,15 +3,14 @@ and every later call of that signature is one C++ op that allocates and launches
 kernels, with a C++ autograd node that does the same for the backward.
 
 Why. Two costs of a level-4 call are Python's, not the GPU's. Each launch goes through Triton's Python
-launcher (tens of microseconds a kernel on a GPU machine's host, where the kernel at GPT-2's sizes runs
-for a few). And on a GPU, PyTorch runs every backward node on its autograd *device thread*, where a node
-written in Python runs far slower than on the calling thread (CPython writes a reference count into every
-object it touches, and two threads on two cores touch the same objects in turn): on an H200, level 4's
-LayerNorm forward+backward at GPT-2's rows took 370 µs a call with its backward there and 177 µs with it
-on the calling thread, where ``F.layer_norm`` took 128 and 78 (profiling/results/h200/README.md,
-"Autograd's device thread"). Level 5 pays neither, because its launches and its autograd are C++. This
-module gives level 4's kernels the same path, as AOTInductor does for torch.compile's Triton kernels: the
-kernels stay Triton's; only the Python around their launches goes.
+launcher, which on a GPU machine's host takes longer than the kernel runs at GPT-2's sizes. And on a GPU,
+PyTorch runs every backward node on its autograd *device thread*, where a node written in Python runs far
+slower than on the calling thread (CPython writes a reference count into every object it touches, and two
+threads on two cores touch the same objects in turn; profiling/results/h200/README.md, "Autograd's device
+thread"). Level 5 pays neither, because its launches and its autograd are C++. This module gives level 4's
+kernels the same path, as AOTInductor does for torch.compile's Triton kernels: the kernels stay Triton's;
+only the Python around their launches goes. What it gained, and the backward alone would not have:
+profiling/results/h200/replay-from-cpp.md.
 
 How (``eager.EagerFunction`` calls it):
 1. The first call of a signature (each tensor's shape, dtype, device, contiguity, requires_grad and
