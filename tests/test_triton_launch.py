@@ -646,6 +646,18 @@ def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_
     assert isinstance(recorder.backward_record((gradient, None)), replay.Refused)
 
 
+def test_a_signature_tells_apart_what_a_recorded_launch_depends_on():
+    square = torch.randn(64, 64)
+    base = replay.signature([square, 1e-5])
+    assert base == replay.signature([square.clone(), 1e-5])  # another tensor alike: the same plan
+    for other in ([square.t(), 1e-5],  # strides (a launcher may pass them to its kernel as integers)
+                  [square.double(), 1e-5], [square.detach().requires_grad_(), 1e-5],
+                  [torch.randn(64 * 64 + 1)[1:].view(64, 64), 1e-5],  # 4 bytes past a multiple of 16
+                  [square, 1e-6]):  # a scalar's value
+        assert replay.signature(other) != base
+    assert replay.signature([square, 0]) != replay.signature([square, 0.0])  # and its type
+
+
 def _extension_ops():
     pytest.importorskip("cuda_kernels.ops")  # builds level 5's extension (the CPU one here)
     return torch.ops.cuda_kernels

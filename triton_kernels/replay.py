@@ -13,7 +13,7 @@ only the Python around their launches goes. What it gained, and the backward alo
 profiling/results/h200/replay-from-cpp.md.
 
 How (``eager.EagerFunction`` calls it):
-1. The first call of a signature (each tensor's shape, dtype, device, contiguity, requires_grad and
+1. The first call of a signature (each tensor's shape, strides, dtype, device, requires_grad and
    address modulo 16, since Triton compiles for aligned pointers when they are; any other argument's
    value) runs the ``torch.autograd.Function`` as before, under a ``Recorder``: it notes every kernel
    ``launch.launch`` starts (the compiled kernel, grid and arguments) and every ATen op.
@@ -32,6 +32,8 @@ Each launch's parameters are checked against the kernel's PTX (what Triton's lau
 non-constexpr arguments, then its scratch pointers), so a Triton whose calling convention differs is
 refused, not mislaunched. Set ``TRITON_KERNELS_REPLAY=0`` (or ``replay.REPLAY = False``) to keep every
 call in Python, to time one against the other; the interpreter never replays (its kernels are Python).
+A plan keeps the kernels it recorded: a Triton knob changed later (``triton.knobs``, e.g. debug) reaches
+new signatures only.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ _TENSOR, _ALIGNED_TENSOR, _BITS32, _BITS64 = 0, 1, 2, 3
 
 
 def signature(args) -> tuple:
-    """What a recorded call depends on, per argument (see the module's docstring)."""
-    return tuple((arg.shape, arg.dtype, arg.get_device(), arg.is_contiguous(), arg.requires_grad, arg.data_ptr() & 15)
+    """What a recorded call depends on, per argument (see the module's docstring). The strides, not only
+    whether a tensor is contiguous: a launcher that reads a strided view in place passes its strides to
+    the kernel as integers, which the plan keeps."""
+    return tuple((arg.shape, arg.stride(), arg.dtype, arg.get_device(), arg.requires_grad, arg.data_ptr() & 15)
                  if isinstance(arg, torch.Tensor) else (type(arg), arg) for arg in args)
 
 
@@ -77,21 +81,24 @@ class Refused(str):
 
 class Pending:
     """What a signature keeps from its first call's forward until a backward of it runs: the forward's record
-    (or ``Refused``). Calls meanwhile take the Python path, unrecorded, and carry it to their backward."""
+    (or ``Refused``) and the compiled kernels it launched. Calls meanwhile take the Python path,
+    unrecorded, and carry it to their backward."""
 
-    __slots__ = ("signature", "forward")
+    __slots__ = ("signature", "forward", "kernels")
 
-    def __init__(self, signature: tuple, forward):
-        self.signature, self.forward = signature, forward
+    def __init__(self, signature: tuple, forward, kernels: tuple):
+        self.signature, self.forward, self.kernels = signature, forward, kernels
 
 
 class Plan:
-    """A plan kept by level 5's extension, by number; forgotten there when this is."""
+    """A plan kept by level 5's extension, by number; forgotten there when this is. It holds the compiled
+    kernels the plan launches: a CompiledKernel unloads its module when it is freed, and the plan keeps
+    only the address of the function in it."""
 
-    __slots__ = ("number",)
+    __slots__ = ("number", "kernels")
 
-    def __init__(self, number: int):
-        self.number = number
+    def __init__(self, number: int, kernels: tuple):
+        self.number, self.kernels = number, kernels
 
     def __del__(self):
         try:
@@ -135,7 +142,8 @@ def record_forward(function, args, plans) -> torch.Tensor:
     if node is None:
         plans.keep(signature(args), Refused("its output is not one tensor with a backward"))
     else:
-        node.pending = plans.keep(signature(args), Pending(signature(args), recorder.forward_record(output, node.saved_tensors)))
+        node.pending = plans.keep(signature(args), Pending(signature(args), recorder.forward_record(output, node.saved_tensors),
+                                                           recorder.kernels()))
     return output
 
 
@@ -160,7 +168,8 @@ def record_backward(backward, ctx, grads, plans) -> tuple:
         gradients = backward(ctx, grad)
     gradients = gradients if isinstance(gradients, tuple) else (gradients,)
     record = recorder.backward_record(gradients)
-    plans.keep(pending.signature, record if isinstance(record, Refused) else Plan(_extension()[0](*pending.forward, *record)))
+    plans.keep(pending.signature, record if isinstance(record, Refused) else
+               Plan(_extension()[0](*pending.forward, *record), pending.kernels + recorder.kernels()))
     return gradients
 
 
@@ -206,6 +215,10 @@ class Recorder(TorchDispatchMode):
             kernel, compiled, tail = entry
             self.launches.append((kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), (*args, *tail)))
 
+    def kernels(self) -> tuple:
+        """The CompiledKernels this pass launched."""
+        return tuple(compiled for _, compiled, _, _ in self.launches)
+
     def forward_record(self, output, saved):
         """(allocations, launches, output slot, saved slots), or ``Refused``."""
         try:
@@ -250,10 +263,10 @@ class Recorder(TorchDispatchMode):
         return allocations, launches, slot_of
 
     def _whole(self, tensor, slot_of) -> int:
-        """The slot that is exactly ``tensor`` (same address, shape and dtype, contiguous)."""
+        """The slot that is exactly ``tensor`` (same address, shape, strides and dtype)."""
         slot = slot_of.get(tensor.data_ptr()) if isinstance(tensor, torch.Tensor) else None
-        if (slot is None or tensor.shape != self.slots[slot].shape or tensor.dtype != self.slots[slot].dtype
-                or not tensor.is_contiguous()):
+        if (slot is None or tensor.shape != self.slots[slot].shape or tensor.stride() != self.slots[slot].stride()
+                or tensor.dtype != self.slots[slot].dtype):
             raise _NotReplayable("a tensor it hands on is not a whole tensor of the pass")
         return slot
 
