@@ -72,11 +72,12 @@ class EagerFunction(torch.autograd.Function, metaclass=_EagerFunctionMeta):
         args = [_unwrap_if_dead(arg) if isinstance(arg, torch.Tensor) else arg for arg in args]
         if not replay.REPLAY:
             return cls._apply_in_cpp(*args)
-        plan = cls._replay_plans.get(replay.signature(args))
+        signature = replay.signature(args)
+        plan = cls._replay_plans.get(signature)
         if plan.__class__ is replay.Plan:
             return replay.run(args, plan)
         if plan is None:
-            return replay.record_forward(cls, args, cls._replay_plans)
+            return replay.record_forward(cls, args, signature, cls._replay_plans)
         if plan.__class__ is replay.Pending:
             return replay.await_backward(cls, args, plan)
         return cls._apply_in_cpp(*args)  # replay.Refused

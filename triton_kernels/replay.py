@@ -129,21 +129,21 @@ def run(args, plan: Plan) -> torch.Tensor:
     return _extension()[1]([arg if isinstance(arg, torch.Tensor) else None for arg in args], plan.number)
 
 
-def record_forward(function, args, plans) -> torch.Tensor:
+def record_forward(function, args, call_signature: tuple, plans) -> torch.Tensor:
     """``function``'s first call of a signature, recorded: the signature keeps a ``Pending`` until a
     backward of it runs (``record_backward``)."""
     if _extension() is None:
-        plans.keep(signature(args), Refused("no C++ op to replay it"))
+        plans.keep(call_signature, Refused("no C++ op to replay it"))
         return function._apply_in_cpp(*args)
     recorder = Recorder(args)
     with recorder:
         output = function._apply_in_cpp(*args)
     node = output.grad_fn if isinstance(output, torch.Tensor) else None
     if node is None:
-        plans.keep(signature(args), Refused("its output is not one tensor with a backward"))
+        plans.keep(call_signature, Refused("its output is not one tensor with a backward"))
     else:
-        node.pending = plans.keep(signature(args), Pending(signature(args), recorder.forward_record(output, node.saved_tensors),
-                                                           recorder.kernels()))
+        record = recorder.forward_record(output, node.saved_tensors)
+        node.pending = plans.keep(call_signature, Pending(call_signature, record, recorder.kernels()))
     return output
 
 
