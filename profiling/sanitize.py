@@ -9,7 +9,7 @@ its memcheck tool instruments every load and store of every kernel and reports e
 allocation, with the kernel's name.
 
 Each case (``CASES``: a component, its config and an input shape, at levels 4 and 5, in the dtypes whose
-kernels differ) runs a forward and a backward in a process of its own under memcheck, so an error belongs to
+kernels differ) runs two forwards and backwards (``run_case`` says why two) in a process of its own under memcheck, so an error belongs to
 one case; ``PROCESSES`` of them at a time, since each spends most of its seconds on one host core. The head
 dims are the ones whose tiles differ (a padded tile, two column slices, 256); the row lengths are one program
 looping over a row (70,001) and a row split over many programs (524,288).
@@ -76,8 +76,10 @@ def dtypes(name: str) -> tuple[str, ...]:
 
 
 def run_case(name: str, level: str, dtype: torch.dtype, device: torch.device) -> None:
-    """One forward and one backward of case ``name`` at ``level``, every gradient computed, then a
-    synchronisation, so any kernel's error surfaces inside this call."""
+    """Two forwards and backwards of case ``name`` at ``level``, every gradient computed, then a
+    synchronisation, so any kernel's error surfaces inside this call. Two, because on a GPU level 4 replays
+    a signature's second call from C++ where it can (``triton_kernels/replay.py``): the same kernels, launched
+    with arguments the replay filled in, which memcheck then checks as well."""
     component, config, shape = CASES[name]
     if config.get("normalized_shape", 0) is None:
         config = {**config, "normalized_shape": shape[-1]}
@@ -89,8 +91,9 @@ def run_case(name: str, level: str, dtype: torch.dtype, device: torch.device) ->
     else:
         inputs = module.example_inputs(shape, dtype, device)
     inputs = tuple(x.requires_grad_(x.is_floating_point()) for x in inputs)
-    output = module(*inputs)
-    output.backward(torch.randn_like(output))
+    for _ in range(2):
+        output = module(*inputs)
+        output.backward(torch.randn_like(output))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
