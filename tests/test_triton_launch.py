@@ -697,6 +697,46 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
         ops.make_triton_plan.default([[6, 8, 4]], [], 2, [0], [[6, 8, 4], [6, 4]], [], [2, 3, -1])
 
 
+def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_the_op(compiled_scale_kernel,
+                                                                                      monkeypatch):
+    """The whole path through ``eager.EagerFunction``, on the CPU: the first call is recorded, the signature
+    waits for a backward, the backward is recorded and the plan made by level 5's extension; the next call
+    goes to the C++ op (which, handed CPU tensors and kernels to launch, says so)."""
+    ops = _extension_ops()
+    monkeypatch.setattr(replay, "REPLAY", True)
+    monkeypatch.setattr(replay, "_extension", lambda: (ops.make_triton_plan.default, ops.run_triton_plan.default,
+                                                       ops.release_triton_plan.default))
+    eager = importlib.import_module("triton_kernels.eager")
+
+    class ScaleEager(eager.EagerFunction):  # a level-4 op's shape: allocate, launch, save
+        @staticmethod
+        def forward(ctx, x, scale):
+            out = torch.empty_like(x)
+            call(compiled_scale_kernel, x, out, n=x.numel(), scale=scale)
+            ctx.save_for_backward(x)
+            ctx.scale = scale
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            grad_x = torch.empty_like(x)
+            call(compiled_scale_kernel, grad, grad_x, n=x.numel(), scale=ctx.scale)
+            return grad_x, None
+
+    x = torch.randn(64, requires_grad=True)
+    signature = replay.signature([x, 1.5])
+    out = ScaleEager.apply(x, 1.5)
+    assert isinstance(ScaleEager._replay_plans[signature], replay.Pending)
+    ScaleEager.apply(x, 1.5)  # before any backward: the Python path, not recorded again
+    assert len(compiled_scale_kernel.recorder.launches) + len(compiled_scale_kernel.recorder.jit_calls) == 2
+    out.backward(torch.ones(64))
+    assert x.grad.shape == (64,)
+    assert isinstance(ScaleEager._replay_plans[signature], replay.Plan), ScaleEager._replay_plans[signature]
+    with pytest.raises(RuntimeError, match="launches CUDA kernels; got tensors on cpu"):
+        ScaleEager.apply(x, 1.5)
+
+
 def _node_names(output: torch.Tensor) -> set[str]:
     """The names of every node of ``output``'s autograd graph."""
     names, stack = set(), [output.grad_fn]
