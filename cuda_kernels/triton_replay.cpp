@@ -122,6 +122,7 @@ struct Pass {
       for (size_t i = 0; i < launch.parameters.size(); ++i) {
         const auto [kind, value] = launch.parameters[i];
         if (kind == kTensor || kind == kAlignedTensor) {
+          TORCH_CHECK(slots[value].defined(), "run_triton_plan: a launch reads slot ", value, ", which holds no tensor");
           const auto address = reinterpret_cast<uint64_t>(slots[value].const_data_ptr());
           TORCH_CHECK(kind == kTensor || address % 16 == 0, "run_triton_plan: slot ", value,
                       " is not 16-byte aligned, but its kernel was compiled for an aligned pointer");
