@@ -730,9 +730,11 @@ def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_th
     assert isinstance(ScaleEager._replay_plans[signature], replay.Pending)
     ScaleEager.apply(x, 1.5)  # before any backward: the Python path, not recorded again
     assert len(compiled_scale_kernel.recorder.launches) + len(compiled_scale_kernel.recorder.jit_calls) == 2
+    assert replay.plans()["ScaleEager"] == {"replayed": 0, "pending": 1, "refused": []}
     out.backward(torch.ones(64))
     assert x.grad.shape == (64,)
     assert isinstance(ScaleEager._replay_plans[signature], replay.Plan), ScaleEager._replay_plans[signature]
+    assert replay.plans()["ScaleEager"] == {"replayed": 1, "pending": 0, "refused": []}
     with pytest.raises(RuntimeError, match="launches CUDA kernels; got tensors on cpu"):
         ScaleEager.apply(x, 1.5)
 
@@ -771,14 +773,7 @@ def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, confi
     (x,) = make_inputs(module, shape, dtype, "cuda")
     assert "TritonBackward" not in _node_names(module(x.requires_grad_()))  # recorded, but not its backward yet
     for _ in range(4):  # the first backward runs in Python and is recorded; fresh inputs each time after it
-        assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype), _refusals()
-
-
-def _refusals() -> list[str]:
-    """Why each signature refused so far keeps its Python backward, for a failing test to say."""
-    eager = importlib.import_module("triton_kernels.eager")
-    return [f"{function.__name__}: {plan}" for function in eager.EagerFunction.__subclasses__()
-            for plan in function._replay_plans.values() if isinstance(plan, replay.Refused)]
+        assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype), replay.plans()
 
 
 @pytest.mark.gpu

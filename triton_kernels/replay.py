@@ -124,6 +124,21 @@ def _extension():
     return ops.make_triton_plan.default, ops.run_triton_plan.default, ops.release_triton_plan.default
 
 
+def plans() -> dict[str, dict]:
+    """What each level-4 op's signatures have come to so far: ``{op: {"replayed": n, "pending": n,
+    "refused": [why, ...]}}``, for anyone who wants to know which calls run from C++ (and why the others
+    do not)."""
+    from .eager import EagerFunction  # (eager imports this module)
+
+    report = {}
+    for function in EagerFunction.__subclasses__():
+        kept = list(function._replay_plans.values())
+        report[function.__name__] = {"replayed": sum(isinstance(plan, Plan) for plan in kept),
+                                     "pending": sum(isinstance(plan, Pending) for plan in kept),
+                                     "refused": [str(plan) for plan in kept if isinstance(plan, Refused)]}
+    return report
+
+
 def run(args, plan: Plan) -> torch.Tensor:
     """The output of a call of a recorded signature, by the C++ op."""
     return _extension()[1]([arg if isinstance(arg, torch.Tensor) else None for arg in args], plan.number)
