@@ -98,8 +98,22 @@ struct Pass {
                     static_cast<unsigned>(row[4]),
                     static_cast<unsigned>(row[5]),
                     {}};
-      for (size_t i = 6; i < row.size(); i += 2) launch.parameters.emplace_back(row[i], row[i + 1]);
+      for (size_t i = 6; i < row.size(); i += 2) {
+        TORCH_CHECK(kTensor <= row[i] && row[i] <= kBits64, "make_triton_plan: no parameter kind ", row[i]);
+        launch.parameters.emplace_back(row[i], row[i + 1]);
+      }
       launches.push_back(std::move(launch));
+    }
+  }
+
+  // Every slot a launch names exists, when the pass is handed `handed` slots: a wrong number would read past
+  // a vector, not raise.
+  void check_slots(int64_t handed) const {
+    const auto slots = handed + static_cast<int64_t>(allocations.size());
+    for (const Launch& launch : launches) {
+      for (const auto& [kind, value] : launch.parameters) {
+        TORCH_CHECK(kind > kAlignedTensor || (0 <= value && value < slots), "make_triton_plan: a launch names no slot ", value);
+      }
     }
   }
 
@@ -175,23 +189,19 @@ int64_t make_triton_plan(const std::vector<std::vector<int64_t>>& forward_alloca
   auto plan = std::make_shared<const TritonPlan>(TritonPlan{Pass(forward_allocations, forward_launches), output,
                                                            std::move(saved), Pass(backward_allocations, backward_launches),
                                                            std::move(input_gradients)});
-  // Every slot a plan names must exist: a wrong number here would read past a vector, not raise.
+  // The forward is handed the arguments, the backward the gradient and the saved tensors; each pass's
+  // allocations come after those.
   const auto arguments = static_cast<int64_t>(plan->input_gradients.size());
+  const auto backward_handed = 1 + static_cast<int64_t>(plan->saved.size());
+  plan->forward.check_slots(arguments);
+  plan->backward.check_slots(backward_handed);
   const int64_t forward_slots = arguments + static_cast<int64_t>(plan->forward.allocations.size());
-  const int64_t backward_slots = 1 + static_cast<int64_t>(plan->saved.size() + plan->backward.allocations.size());
-  const auto within = [](int64_t slot, int64_t begin, int64_t end) { return begin <= slot && slot < end; };
-  TORCH_CHECK(within(plan->output, arguments, forward_slots), "make_triton_plan: the output must be a forward allocation");
-  for (int64_t slot : plan->saved) TORCH_CHECK(within(slot, 0, forward_slots), "make_triton_plan: no forward slot ", slot);
+  const int64_t backward_slots = backward_handed + static_cast<int64_t>(plan->backward.allocations.size());
+  TORCH_CHECK(arguments <= plan->output && plan->output < forward_slots, "make_triton_plan: the output must be a forward allocation");
+  for (int64_t slot : plan->saved) TORCH_CHECK(0 <= slot && slot < forward_slots, "make_triton_plan: no forward slot ", slot);
   for (int64_t slot : plan->input_gradients) {
-    TORCH_CHECK(slot == -1 || within(slot, backward_slots - static_cast<int64_t>(plan->backward.allocations.size()), backward_slots),
+    TORCH_CHECK(slot == -1 || (backward_handed <= slot && slot < backward_slots),
                 "make_triton_plan: a gradient must be a backward allocation");
-  }
-  for (const auto& [pass, slots] : {std::pair{&plan->forward, forward_slots}, std::pair{&plan->backward, backward_slots}}) {
-    for (const Launch& launch : pass->launches) {
-      for (const auto& [kind, value] : launch.parameters) {
-        TORCH_CHECK(kind > kAlignedTensor || within(value, 0, slots), "make_triton_plan: a launch names no slot ", value);
-      }
-    }
   }
   PlanRegistry& plans = registry();
   const std::lock_guard<std::mutex> hold(plans.lock);
@@ -284,22 +294,18 @@ at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments
   slots.reserve(arguments.size() + plan->forward.allocations.size());
   torch::autograd::edge_list edges;
   edges.reserve(arguments.size());
-  const at::Tensor* first = nullptr;
+  std::optional<at::TensorOptions> options;  // the first tensor argument's: where the buffers go
   bool differentiable = false;
   for (const std::optional<at::Tensor>& argument : arguments) {
     slots.push_back(argument.has_value() ? *argument : at::Tensor());
-    const bool tracked = slots.back().defined() && slots.back().requires_grad();
-    edges.push_back(tracked ? torch::autograd::impl::gradient_edge(slots.back()) : torch::autograd::Edge());
+    const at::Tensor& slot = slots.back();
+    if (slot.defined() && !options) options = slot.options();
+    const bool tracked = slot.defined() && slot.requires_grad();
+    edges.push_back(tracked ? torch::autograd::impl::gradient_edge(slot) : torch::autograd::Edge());
     differentiable = differentiable || tracked;
   }
-  for (const at::Tensor& slot : slots) {
-    if (slot.defined()) {
-      first = &slot;
-      break;
-    }
-  }
-  TORCH_CHECK(first != nullptr, "run_triton_plan: no tensor among the arguments");
-  plan->forward.run(slots, first->options());
+  TORCH_CHECK(options.has_value(), "run_triton_plan: no tensor among the arguments");
+  plan->forward.run(slots, *options);
   at::Tensor output = slots[plan->output];
   if (!differentiable || !at::GradMode::is_enabled()) return output;
   auto node = new_node<TritonBackward>();

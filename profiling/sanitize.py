@@ -9,10 +9,10 @@ its memcheck tool instruments every load and store of every kernel and reports e
 allocation, with the kernel's name.
 
 Each case (``CASES``: a component, its config and an input shape, at levels 4 and 5, in the dtypes whose
-kernels differ) runs two forwards and backwards (``run_case`` says why two) in a process of its own under memcheck, so an error belongs to
-one case; ``PROCESSES`` of them at a time, since each spends most of its seconds on one host core. The head
-dims are the ones whose tiles differ (a padded tile, two column slices, 256); the row lengths are one program
-looping over a row (70,001) and a row split over many programs (524,288).
+kernels differ) runs two forwards and backwards (``run_case`` says why two) in a process of its own under
+memcheck, so an error belongs to one case; ``PROCESSES`` of them at a time, since each spends most of its
+seconds on one host core. The head dims are the ones whose tiles differ (a padded tile, two column slices,
+256); the row lengths are one program looping over a row (70,001) and a row split over many programs (524,288).
 
     python -m profiling.sanitize --out profiling/results/h100       # every case, a GPU and compute-sanitizer
     python -m profiling.sanitize --case "attention causal head dim 72" --level triton --dtype bfloat16
