@@ -9,16 +9,21 @@
 // and arguments, and which buffers they allocated. Every later call of that signature is one op of this
 // file: allocate, launch, attach a C++ backward node that allocates and launches in turn.
 //
-//   cuda_kernels::make_triton_plan(int[][] forward_allocations, int[][] forward_launches, int output,
-//                                  int[] saved, int[][] backward_allocations, int[][] backward_launches,
-//                                  int[] input_gradients) -> int
+//   cuda_kernels::make_triton_plan(int[][] forward_allocations, int[][] forward_views, int[][] forward_launches,
+//                                  int output, int[] saved, int[] gradient_strides, int[][] backward_allocations,
+//                                  int[][] backward_views, int[][] backward_launches, int[] input_gradients) -> int
 //     keeps a recorded call and returns its number. Tensors are numbered slots. Forward: the call's
-//     arguments (one slot each, undefined for a non-tensor), then one per forward allocation; `output` is
-//     the slot returned and `saved` the slots the backward keeps. Backward: 0 the incoming gradient (made
-//     contiguous), then the saved tensors, then one per backward allocation; `input_gradients` the slot of
-//     each argument's gradient, or -1.
-//       an allocation: [scalar type, dim 0, dim 1, ...], an uninitialised buffer on the call's device (the
-//         recorder accepts only calls whose kernels write every byte they read);
+//     arguments (one slot each, undefined for a non-tensor), then one per forward allocation, then one per
+//     forward view; `output` is the slot returned (an allocation or a view of one) and `saved` the slots the
+//     backward keeps (an argument itself, or an allocation or a view of one). Backward: 0 the incoming
+//     gradient, laid out with `gradient_strides` (copied there when it arrives otherwise), then the saved
+//     tensors, then one per backward allocation and one per backward view; `input_gradients` the slot of
+//     each argument's gradient (an allocation or a view of one), or -1.
+//       an allocation: [scalar type, dims, sizes..., strides...], an uninitialised buffer on the call's
+//         device (the recorder accepts only calls whose kernels write every byte they read);
+//       a view: [slot, element offset, dims, sizes..., strides...], that slot's storage seen with these
+//         sizes and strides from the slot's own offset plus the given one (a transposed weight, an
+//         output laid out (B, L, H, D) and returned as (B, H, L, D), a reshape);
 //       a launch: [CUfunction, grid x, grid y, grid z, threads, shared bytes, then (kind, value) per kernel
 //         parameter], kinds as ParameterKind below.
 //   cuda_kernels::run_triton_plan(Tensor?[] arguments, int plan) -> Tensor
@@ -38,6 +43,7 @@
 // for the backward.
 #include "binding.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -67,6 +73,8 @@ enum ParameterKind : int64_t {
   kAlignedTensor = 1,  // the same, for a kernel compiled assuming a 16-byte-aligned pointer
   kBits32 = 2,         // value: 4 bytes of an int32 or a float32, in the low half
   kBits64 = 3,         // value: 8 bytes of an int64 or a float64
+  kScratch = 4,        // value: bytes of global scratch memory the kernel asks of its launcher (a TMA
+                       // descriptor it builds on the device), allocated per launch like Triton's does
 };
 
 struct Launch {
@@ -77,19 +85,42 @@ struct Launch {
 
 struct Allocation {
   at::ScalarType dtype;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> sizes, strides;
 };
 
-// One recorded pass: buffers to allocate after the slots it is handed, and the kernels to launch over them.
+struct View {
+  int64_t base, offset;
+  std::vector<int64_t> sizes, strides;
+};
+
+// [dims, sizes..., strides...] from `row`, starting at `at`.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> geometry(const std::vector<int64_t>& row, size_t at,
+                                                               const char* what) {
+  TORCH_CHECK(row.size() > at && row[at] >= 0 && row.size() == at + 1 + 2 * static_cast<size_t>(row[at]),
+              "make_triton_plan: ", what, " ends in its dims, sizes and strides");
+  const auto sizes = row.begin() + static_cast<std::ptrdiff_t>(at) + 1;
+  return {std::vector<int64_t>(sizes, sizes + row[at]), std::vector<int64_t>(sizes + row[at], row.end())};
+}
+
+// One recorded pass: buffers to allocate after the slots it is handed, views of those slots, and the kernels
+// to launch over them.
 struct Pass {
   std::vector<Allocation> allocations;
+  std::vector<View> views;
   std::vector<Launch> launches;
 
-  Pass(const std::vector<std::vector<int64_t>>& allocation_rows, const std::vector<std::vector<int64_t>>& launch_rows) {
+  Pass(const std::vector<std::vector<int64_t>>& allocation_rows, const std::vector<std::vector<int64_t>>& view_rows,
+       const std::vector<std::vector<int64_t>>& launch_rows) {
     for (const auto& row : allocation_rows) {
       TORCH_CHECK(!row.empty() && row[0] >= 0 && row[0] < static_cast<int64_t>(at::ScalarType::NumOptions),
-                  "make_triton_plan: an allocation is a scalar type and a shape");
-      allocations.push_back({static_cast<at::ScalarType>(row[0]), std::vector<int64_t>(row.begin() + 1, row.end())});
+                  "make_triton_plan: an allocation starts with a scalar type");
+      auto [sizes, strides] = geometry(row, 1, "an allocation");
+      allocations.push_back({static_cast<at::ScalarType>(row[0]), std::move(sizes), std::move(strides)});
+    }
+    for (const auto& row : view_rows) {
+      TORCH_CHECK(row.size() >= 2, "make_triton_plan: a view starts with a slot and an offset");
+      auto [sizes, strides] = geometry(row, 2, "a view");
+      views.push_back({row[0], row[1], std::move(sizes), std::move(strides)});
     }
     for (const auto& row : launch_rows) {
       TORCH_CHECK(row.size() >= 6 && row.size() % 2 == 0, "make_triton_plan: a launch is 6 numbers and (kind, value) pairs");
@@ -99,27 +130,53 @@ struct Pass {
                     static_cast<unsigned>(row[5]),
                     {}};
       for (size_t i = 6; i < row.size(); i += 2) {
-        TORCH_CHECK(kTensor <= row[i] && row[i] <= kBits64, "make_triton_plan: no parameter kind ", row[i]);
+        TORCH_CHECK(kTensor <= row[i] && row[i] <= kScratch, "make_triton_plan: no parameter kind ", row[i]);
         launch.parameters.emplace_back(row[i], row[i + 1]);
       }
       launches.push_back(std::move(launch));
     }
   }
 
-  // Every slot a launch names exists, when the pass is handed `handed` slots: a wrong number would read past
-  // a vector, not raise.
+  int64_t slots(int64_t handed) const {
+    return handed + static_cast<int64_t>(allocations.size() + views.size());
+  }
+
+  // Every slot a view or a launch names exists (a view's, before it), when the pass is handed `handed` slots:
+  // a wrong number would read past a vector, not raise.
   void check_slots(int64_t handed) const {
-    const auto slots = handed + static_cast<int64_t>(allocations.size());
+    const int64_t first_view = handed + static_cast<int64_t>(allocations.size());
+    for (size_t i = 0; i < views.size(); ++i) {
+      TORCH_CHECK(0 <= views[i].base && views[i].base < first_view + static_cast<int64_t>(i),
+                  "make_triton_plan: a view of no earlier slot ", views[i].base);
+    }
     for (const Launch& launch : launches) {
       for (const auto& [kind, value] : launch.parameters) {
-        TORCH_CHECK(kind > kAlignedTensor || (0 <= value && value < slots), "make_triton_plan: a launch names no slot ", value);
+        TORCH_CHECK(kind > kAlignedTensor || (0 <= value && value < slots(handed)), "make_triton_plan: a launch names no slot ", value);
       }
     }
   }
 
-  // Appends the allocations to `slots` (on `options`' device) and launches every kernel.
+  // The slot that `slot` is a view of, through views of views: itself for a handed slot or an allocation.
+  int64_t root(int64_t slot, int64_t handed) const {
+    const int64_t first_view = handed + static_cast<int64_t>(allocations.size());
+    while (slot >= first_view) slot = views[slot - first_view].base;
+    return slot;
+  }
+
+  // Appends the allocations and the views to `slots` (on `options`' device) and launches every kernel.
   void run(std::vector<at::Tensor>& slots, const at::TensorOptions& options) const {
-    for (const Allocation& allocation : allocations) slots.push_back(at::empty(allocation.shape, options.dtype(allocation.dtype)));
+    for (const Allocation& allocation : allocations) {
+      slots.push_back(at::empty_strided(allocation.sizes, allocation.strides, options.dtype(allocation.dtype)));
+    }
+    {
+      // Views for the kernels and the caller, not for autograd: an output gets its node from run_triton_plan,
+      // and a view of an argument that requires grad must not grow a graph of its own.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      for (const View& view : views) {
+        const at::Tensor base = slots[view.base];
+        slots.push_back(base.as_strided(view.sizes, view.strides, base.storage_offset() + view.offset));
+      }
+    }
     if (launches.empty()) return;
     TORCH_CHECK(options.device().is_cuda(), "run_triton_plan launches CUDA kernels; got tensors on ", options.device());
 #ifdef KERNEL_LADDER_WITH_CUDA
@@ -130,6 +187,7 @@ struct Pass {
     const CUstream stream = at::cuda::getCurrentCUDAStream(options.device().index()).stream();
     std::vector<uint64_t> words;
     std::vector<void*> parameters;
+    std::vector<at::Tensor> scratch;  // freed after the launches: the caching allocator orders reuse on the stream
     for (const Launch& launch : launches) {
       words.assign(launch.parameters.size(), 0);
       parameters.resize(launch.parameters.size());
@@ -141,6 +199,9 @@ struct Pass {
           TORCH_CHECK(kind == kTensor || address % 16 == 0, "run_triton_plan: slot ", value,
                       " is not 16-byte aligned, but its kernel was compiled for an aligned pointer");
           words[i] = address;
+        } else if (kind == kScratch) {
+          scratch.push_back(at::empty({value}, options.dtype(at::kByte)));
+          words[i] = reinterpret_cast<uint64_t>(scratch.back().const_data_ptr());
         } else {
           words[i] = static_cast<uint64_t>(value);  // kBits32: cuLaunchKernel reads the low 4 bytes (little-endian)
         }
@@ -165,6 +226,7 @@ struct TritonPlan {
   Pass forward;
   int64_t output;
   std::vector<int64_t> saved;
+  std::vector<int64_t> gradient_strides;
   Pass backward;
   std::vector<int64_t> input_gradients;
 };
@@ -183,25 +245,36 @@ PlanRegistry& registry() {
 }
 
 int64_t make_triton_plan(const std::vector<std::vector<int64_t>>& forward_allocations,
+                         const std::vector<std::vector<int64_t>>& forward_views,
                          const std::vector<std::vector<int64_t>>& forward_launches, int64_t output,
-                         std::vector<int64_t> saved, const std::vector<std::vector<int64_t>>& backward_allocations,
+                         std::vector<int64_t> saved, std::vector<int64_t> gradient_strides,
+                         const std::vector<std::vector<int64_t>>& backward_allocations,
+                         const std::vector<std::vector<int64_t>>& backward_views,
                          const std::vector<std::vector<int64_t>>& backward_launches, std::vector<int64_t> input_gradients) {
-  auto plan = std::make_shared<const TritonPlan>(TritonPlan{Pass(forward_allocations, forward_launches), output,
-                                                           std::move(saved), Pass(backward_allocations, backward_launches),
-                                                           std::move(input_gradients)});
+  auto plan = std::make_shared<const TritonPlan>(
+      TritonPlan{Pass(forward_allocations, forward_views, forward_launches), output, std::move(saved),
+                 std::move(gradient_strides), Pass(backward_allocations, backward_views, backward_launches),
+                 std::move(input_gradients)});
   // The forward is handed the arguments, the backward the gradient and the saved tensors; each pass's
-  // allocations come after those.
+  // allocations, then its views, come after those.
   const auto arguments = static_cast<int64_t>(plan->input_gradients.size());
   const auto backward_handed = 1 + static_cast<int64_t>(plan->saved.size());
-  plan->forward.check_slots(arguments);
-  plan->backward.check_slots(backward_handed);
-  const int64_t forward_slots = arguments + static_cast<int64_t>(plan->forward.allocations.size());
-  const int64_t backward_slots = backward_handed + static_cast<int64_t>(plan->backward.allocations.size());
-  TORCH_CHECK(arguments <= plan->output && plan->output < forward_slots, "make_triton_plan: the output must be a forward allocation");
-  for (int64_t slot : plan->saved) TORCH_CHECK(0 <= slot && slot < forward_slots, "make_triton_plan: no forward slot ", slot);
+  const Pass& forward = plan->forward;
+  const Pass& backward = plan->backward;
+  forward.check_slots(arguments);
+  backward.check_slots(backward_handed);
+  // What leaves a pass is memory the pass allocated (or an argument the backward keeps as it is): a view of an
+  // argument would alias memory the caller may change.
+  TORCH_CHECK(0 <= plan->output && plan->output < forward.slots(arguments) && forward.root(plan->output, arguments) >= arguments,
+              "make_triton_plan: the output must be a forward allocation or a view of one");
+  for (int64_t slot : plan->saved) {
+    TORCH_CHECK(0 <= slot && slot < forward.slots(arguments) && (slot < arguments || forward.root(slot, arguments) >= arguments),
+                "make_triton_plan: a saved slot must be an argument, a forward allocation or a view of one; got ", slot);
+  }
   for (int64_t slot : plan->input_gradients) {
-    TORCH_CHECK(slot == -1 || (backward_handed <= slot && slot < backward_slots),
-                "make_triton_plan: a gradient must be a backward allocation");
+    TORCH_CHECK(slot == -1 || (0 <= slot && slot < backward.slots(backward_handed) &&
+                               backward.root(slot, backward_handed) >= backward_handed),
+                "make_triton_plan: a gradient must be a backward allocation or a view of one");
   }
   PlanRegistry& plans = registry();
   const std::lock_guard<std::mutex> hold(plans.lock);
@@ -259,13 +332,18 @@ struct TritonBackward : torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     const auto self = pointer_to(this);
-    const at::Tensor grad = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
+    at::Tensor grad = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
+    TORCH_CHECK(grad.dim() == static_cast<int64_t>(plan->gradient_strides.size()), "TritonBackward: a gradient of ",
+                grad.dim(), " dims for an output of ", plan->gradient_strides.size());
+    // A gradient laid out otherwise than the recorded one (its kernels may read its strides as recorded
+    // integers), or at an address that is not a multiple of 16 (for kernels compiled for aligned pointers), is
+    // copied, once, into the recorded layout: a fresh buffer, so aligned.
+    if (!grad.strides().equals(plan->gradient_strides) || reinterpret_cast<uintptr_t>(grad.const_data_ptr()) % 16 != 0) {
+      grad = at::empty_strided(grad.sizes(), plan->gradient_strides, grad.options()).copy_(grad);
+    }
     std::vector<at::Tensor> slots;
-    slots.reserve(1 + saved.size() + plan->backward.allocations.size());
-    // A gradient at an address that is not a multiple of 16 (a view into a larger tensor) is copied, once,
-    // for kernels compiled for aligned pointers: a copy's storage is fresh, so aligned.
-    const at::Tensor contiguous = grad.contiguous();
-    slots.push_back(reinterpret_cast<uintptr_t>(contiguous.const_data_ptr()) % 16 == 0 ? contiguous : contiguous.clone());
+    slots.reserve(plan->backward.slots(1 + static_cast<int64_t>(saved.size())));
+    slots.push_back(grad);
     for (const auto& variable : saved) slots.push_back(variable.unpack(self));
     plan->backward.run(slots, slots[0].options());
     variable_list result;
@@ -291,7 +369,7 @@ at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments
   TORCH_CHECK(arguments.size() == plan->input_gradients.size(), "run_triton_plan: plan ", number, " takes ",
               plan->input_gradients.size(), " arguments, got ", arguments.size());
   std::vector<at::Tensor> slots;
-  slots.reserve(arguments.size() + plan->forward.allocations.size());
+  slots.reserve(plan->forward.slots(static_cast<int64_t>(arguments.size())));
   torch::autograd::edge_list edges;
   edges.reserve(arguments.size());
   std::optional<at::TensorOptions> options;  // the first tensor argument's: where the buffers go
@@ -322,8 +400,9 @@ at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments
 
 TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
   // One kernel for every dispatch key: run_triton_plan makes its own autograd node.
-  m.def("make_triton_plan(int[][] forward_allocations, int[][] forward_launches, int output, int[] saved, "
-        "int[][] backward_allocations, int[][] backward_launches, int[] input_gradients) -> int",
+  m.def("make_triton_plan(int[][] forward_allocations, int[][] forward_views, int[][] forward_launches, int output, "
+        "int[] saved, int[] gradient_strides, int[][] backward_allocations, int[][] backward_views, "
+        "int[][] backward_launches, int[] input_gradients) -> int",
         &kernel_ladder::make_triton_plan);
   m.def("release_triton_plan(int plan) -> ()", &kernel_ladder::release_triton_plan);
   m.def("run_triton_plan(Tensor?[] arguments, int plan) -> Tensor", &kernel_ladder::run_triton_plan);

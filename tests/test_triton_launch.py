@@ -21,6 +21,7 @@ from .helpers import assert_matches_float64_reference, build_pair, make_inputs
 
 pytest.importorskip("triton")
 launch_module = importlib.import_module("triton_kernels.launch")
+replay = importlib.import_module("triton_kernels.replay")
 import triton  # noqa: E402  (after triton_kernels, which decides whether the interpreter runs)
 import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -549,6 +550,7 @@ def test_the_linear_and_feed_forward_launchers_plan_a_signature_once_and_a_new_l
 
 
 def test_attention_backward_plans_a_signature_once_and_a_new_gradient_layout_again(monkeypatch):
+    monkeypatch.setattr(replay, "REPLAY", False)  # the Python backward's own plans (a replayed call has none)
     attention_backward = importlib.import_module("triton_kernels.attention_backward")
     planned = []
     plan = attention_backward._plan_backward
@@ -575,8 +577,6 @@ def test_a_signature_table_starts_again_once_full():
 
 
 # --- calls replayed from C++ (triton_kernels/replay.py) -------------------------------------------------
-
-replay = importlib.import_module("triton_kernels.replay")
 
 # What the stand-in CompiledKernel says about itself, as Triton's would: its parameters' types (constexprs
 # included), its launch metadata, and its PTX entry (the four arguments, then Triton's two scratch pointers).
@@ -614,8 +614,9 @@ def test_a_pass_of_allocations_and_launches_is_recorded_slot_by_slot(compiled_sc
         call(compiled_scale_kernel, out, statistics, n=64, scale=-2.0, grid=(2, 3))  # straight to the launcher
     record = forward.forward_record(out, [x, statistics])
     assert not isinstance(record, replay.Refused), record
-    allocations, launches, output_slot, saved_slots = record
-    assert allocations == [[6, 64], [6, 8, 8]]  # c10::ScalarType Float, then the shape
+    allocations, views, launches, output_slot, saved_slots = record
+    assert allocations == [[6, 1, 64, 1], [6, 2, 8, 8, 8, 1]]  # c10::ScalarType Float, dims, sizes, strides
+    assert views == []
     aligned = replay._ALIGNED_TENSOR
     scratch = [replay._BITS64, 0, replay._BITS64, 0]
     assert launches == [
@@ -627,11 +628,33 @@ def test_a_pass_of_allocations_and_launches_is_recorded_slot_by_slot(compiled_sc
     with replay.Recorder([grad, x, statistics]) as backward:
         grad_x = torch.empty_like(x)
         call(compiled_scale_kernel, grad, grad_x, n=64, grid=(4,))
-    assert backward.backward_record((grad_x, None))[2] == [3, -1]
+    assert backward.backward_record((grad_x, None))[3] == [3, -1]
 
 
-@pytest.mark.parametrize("case", ["a zero-filled buffer", "a view into a buffer", "a gradient that is a view",
-                                  "a PTX of other parameters", "a kernel through the JIT"])
+def test_views_are_recorded_as_slots_of_their_own(compiled_scale_kernel):
+    """A kernel reading a transposed weight, a slice of a buffer as a kernel's pointer, an output returned as a
+    view of a buffer: each view is a slot, named by the slot it was taken of, its offset, sizes and strides."""
+    weight = torch.randn(8, 4)
+    with replay.Recorder([weight]) as forward:
+        buffer = weight.new_empty_strided((4, 16), (1, 4))  # a column-major allocation
+        call(compiled_scale_kernel, weight.t(), buffer, n=32, grid=(1,))  # the weight's view at its own address
+        call(compiled_scale_kernel, weight, buffer.t().view(64)[32:], n=32, grid=(1,))  # 32 elements in
+        out = buffer.t()
+    allocations, views, launches, output_slot, saved_slots = forward.forward_record(out, [weight])
+    assert allocations == [[6, 2, 4, 16, 1, 4]]
+    assert views == [[0, 0, 2, 4, 8, 1, 4],  # slot 2: weight.t()
+                     [1, 0, 2, 16, 4, 4, 1],  # 3: buffer.t()
+                     [3, 0, 1, 64, 1],  # 4: its view(64)
+                     [4, 32, 1, 32, 1],  # 5: that one's slice
+                     [1, 0, 2, 16, 4, 4, 1]]  # 6: buffer.t() again, the output
+    assert [row[9] for row in launches] == [1, 5]  # each launch's second pointer: the buffer, then the slice
+    assert launches[0][7] == 2 and launches[1][7] == 0  # the first pointer: weight.t() (by identity), weight
+    assert (output_slot, saved_slots) == (6, [0])
+
+
+@pytest.mark.parametrize("case", ["a zero-filled buffer", "a gradient that is a view of an argument",
+                                  "a buffer seen as another dtype", "a PTX of other parameters",
+                                  "a kernel through the JIT"])
 def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_kernel, monkeypatch, case):
     grad, saved = torch.randn(64), torch.randn(64)
     if case == "a PTX of other parameters":  # e.g. a Triton that passes one scratch pointer fewer, as 32 bits
@@ -640,10 +663,24 @@ def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_
     if case == "a kernel through the JIT":
         monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
     with replay.Recorder([grad, saved]) as recorder:
-        buffer = torch.zeros_like(saved) if case == "a zero-filled buffer" else torch.empty(128)
-        call(compiled_scale_kernel, grad, buffer[64:] if case == "a view into a buffer" else buffer, n=64, grid=(4,))
-    gradient = buffer[:64] if case == "a gradient that is a view" else buffer
+        buffer = torch.zeros_like(saved) if case == "a zero-filled buffer" else torch.empty(64)
+        written = buffer.view(torch.int32) if case == "a buffer seen as another dtype" else buffer
+        call(compiled_scale_kernel, grad, written, n=64, grid=(4,))
+        gradient = grad.view(64) if case == "a gradient that is a view of an argument" else buffer
     assert isinstance(recorder.backward_record((gradient, None)), replay.Refused)
+
+
+def test_a_pass_that_tuned_a_kernel_is_recorded_again_at_the_next_call(compiled_scale_kernel):
+    """An autotuner's launch (a new key's first call, timing candidates) postpones the recording; a launch
+    through the JIT otherwise refuses it."""
+    autotuned = triton.autotune(configs=[triton.Config({"BLOCK": 1024})], key=["n"])(compiled_scale_kernel)
+    x = torch.randn(64)
+    with replay.Recorder([x]) as recorder:
+        launch_module.launch(autotuned, (1,), x, torch.empty(64), 64, 0.5, COMPUTE=tl.float32)
+    assert recorder.postponed and recorder.refusal is None
+    with replay.Recorder([x]) as recorder:
+        launch_module._refuse_or_postpone_recording(compiled_scale_kernel)
+    assert not recorder.postponed and "through Triton's JIT" in recorder.refusal
 
 
 def test_a_signature_tells_apart_what_a_recorded_launch_depends_on():
@@ -668,33 +705,42 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
     node's edges, the gradient buffers, and PyTorch's own errors for a saved tensor changed in place, a
     second backward, a second derivative and a forgotten plan."""
     ops = _extension_ops()
-    # forward: slots x, weight, eps, then out (8, 4); saved: x. backward: grad, x, then grad_x and grad_weight
-    number = ops.make_triton_plan.default([[6, 8, 4]], [], 3, [0], [[6, 8, 4], [6, 4]], [], [2, 3, -1])
+    # forward: slots x, weight, eps, then out (8, 4) and its transpose (4, 8), returned; saved: x.
+    # backward: grad (laid out as the output), x, then grad_x and grad_weight
+    plan = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4], [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [],
+            [], [2, 3, -1])
+    number = ops.make_triton_plan.default(*plan)
     x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
     out = ops.run_triton_plan.default([x, weight, None], number)
-    assert out.shape == (8, 4) and out.grad_fn.name() == "TritonBackward"
+    assert out.shape == (4, 8) and out.stride() == (1, 4) and out.grad_fn.name() == "TritonBackward"
     assert [node.name() if node else None for node, _ in out.grad_fn.next_functions] == [
         "torch::autograd::AccumulateGrad", "torch::autograd::AccumulateGrad", None]
-    out.backward(torch.ones(8, 4))
+    out.backward(torch.ones(4, 8))  # contiguous: copied into the recorded layout
     assert x.grad.shape == (8, 4) and weight.grad.shape == (4,)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        out.backward(torch.ones(8, 4))
+        out.backward(torch.ones(4, 8))
     with torch.no_grad():
         assert ops.run_triton_plan.default([x, weight, None], number).grad_fn is None
     y = x * 1.0
     out = ops.run_triton_plan.default([y, weight, None], number)
     y.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        out.backward(torch.ones(8, 4))
-    direction = torch.ones(8, 4, requires_grad=True)
+        out.backward(torch.ones(4, 8))
+    direction = torch.ones(4, 8, requires_grad=True)
     (first,) = torch.autograd.grad(ops.run_triton_plan.default([x, weight, None], number), x, direction, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         first.sum().backward()
     ops.release_triton_plan.default(number)
     with pytest.raises(RuntimeError, match="no plan number"):
         ops.run_triton_plan.default([x, weight, None], number)
-    with pytest.raises(RuntimeError, match="the output must be a forward allocation"):
-        ops.make_triton_plan.default([[6, 8, 4]], [], 2, [0], [[6, 8, 4], [6, 4]], [], [2, 3, -1])
+    transposed_x = [0, 0, 2, 4, 8, 1, 4]  # a view of an argument: slot 5 after out's transpose
+    for changes, message in [({3: 2}, "the output must be a forward allocation or a view of one"),
+                             ({1: [transposed_x]}, "the output must be a forward allocation"),
+                             ({1: [[5, 0, 2, 4, 8, 1, 4]]}, "a view of no earlier slot"),
+                             ({1: [plan[1][0], transposed_x], 4: [5]}, "a saved slot must be an argument, a forward"),
+                             ({9: [0, 3, -1]}, "a gradient must be a backward allocation")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops.make_triton_plan.default(*[changes.get(position, part) for position, part in enumerate(plan)])
 
 
 def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_the_op(compiled_scale_kernel,
@@ -757,23 +803,30 @@ def _fresh_fwd_bwd_matches(module, reference, shape, dtype):
     reference.zero_grad(set_to_none=True)
     inputs = make_inputs(module, shape, dtype, "cuda")
     assert_matches_float64_reference(module, reference, inputs, levels.TOLERANCE[dtype])
-    return _node_names(module(inputs[0].requires_grad_()))
+    return _node_names(module(*(x.requires_grad_() for x in inputs)))
 
 
 _REPLAYED = [("swish", {"beta": 1.3}, (8, 768)), ("layer_norm", {"normalized_shape": 768}, (64, 768)),
              ("layer_norm", {"normalized_shape": 96}, (1000, 96)), ("rms_norm", {"normalized_shape": 768}, (64, 768)),
-             ("softmax", {"dim": -1}, (64, 1024))]
+             ("softmax", {"dim": -1}, (64, 1024)),
+             # The output a (B, H, L, D) view of a (B, L, H, D) buffer, and q, k and v views of one projection:
+             ("attention", {"causal": True}, (2, 4, 256, 64)), ("self_attention", {"n_embd": 768, "n_head": 12}, (2, 64, 768)),
+             # Transposed weights; in bfloat16, matmuls large enough to be autotuned (a first call recorded again)
+             # and, on Hopper, TMA kernels with global scratch:
+             ("feed_forward", {"n_embd": 768}, (2, 512, 768))]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("component,config,shape", _REPLAYED, ids=[f"{c}-{s[0]}x{s[1]}" for c, _, s in _REPLAYED])
+@pytest.mark.parametrize("component,config,shape", _REPLAYED,
+                         ids=[f"{c}-{'x'.join(map(str, s))}" for c, _, s in _REPLAYED])
 def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, config, shape, dtype):
     module, reference = build_pair(component, "triton", config, "cuda", dtype)
-    (x,) = make_inputs(module, shape, dtype, "cuda")
-    assert "TritonBackward" not in _node_names(module(x.requires_grad_()))  # recorded, but not its backward yet
+    inputs = make_inputs(module, shape, dtype, "cuda")
+    assert "TritonBackward" not in _node_names(module(*(x.requires_grad_() for x in inputs)))  # not recorded yet
     for _ in range(4):  # the first backward runs in Python and is recorded; fresh inputs each time after it
-        assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype), replay.plans()
+        names = _fresh_fwd_bwd_matches(module, reference, shape, dtype)
+    assert "TritonBackward" in names, replay.plans()
 
 
 @pytest.mark.gpu

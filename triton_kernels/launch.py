@@ -461,7 +461,8 @@ _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, va
 
 RECORDERS: dict[int, object] = {}
 """The ``replay.Recorder`` watching a forward or a backward, by thread, while one does: ``launch`` tells
-it each kernel it starts, ``launch_cooperative`` that the pass cannot be replayed."""
+it each kernel it starts, and that an autotuner tuned one; ``launch_cooperative`` that the pass cannot be
+replayed."""
 
 
 def _record(entry, grid, args) -> None:
@@ -476,13 +477,25 @@ def _refuse_to_record(why: str) -> None:
         recorder.refuse(why)
 
 
+def _refuse_or_postpone_recording(kernel) -> None:
+    """A launch through Triton's JIT cannot be replayed, but an autotuner's (the first call of a key, which
+    times the candidates; later calls launch its choice through ``launch``) only makes this call unlike the
+    next: the recorder waits for that one."""
+    recorder = RECORDERS.get(threading.get_ident())
+    if recorder is not None:
+        if type(kernel) is _Autotuner:
+            recorder.postpone()
+        else:
+            recorder.refuse(f"{kernel} launched through Triton's JIT")
+
+
 def launch(kernel, grid, *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``: tensors and scalars positionally, constexprs and launch
     options (num_warps, num_stages, ...) by keyword, as every launcher here calls its kernels. An
     autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
     if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
         if RECORDERS:
-            _refuse_to_record(f"{kernel} launched through Triton's JIT")
+            _refuse_or_postpone_recording(kernel)
         kernel[grid](*args, **constants)
         return
     device = _current_cuda_device()
@@ -633,6 +646,7 @@ class SignatureTable(dict):
 
 
 _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
+_Autotuner = triton.runtime.Autotuner
 
 
 def _hooked(kernel) -> bool:

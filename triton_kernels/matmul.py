@@ -476,8 +476,13 @@ def _has_tma(device_index: int) -> bool:
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory for the descriptors ``_matmul_tma_kernel`` builds (128 bytes a program), from
-    PyTorch's caching allocator on the current device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    PyTorch's caching allocator on the current device. Out of sight of dispatch modes: it is the launcher's
+    memory, not the caller's, and a recorder (replay.py) counts it in the launch it belongs to."""
+    with _OUT_OF_DISPATCH_MODES():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_OUT_OF_DISPATCH_MODES = torch._C._DisableTorchDispatch
 
 
 _tuned_tiles: dict[tuple, MatmulTile] = {}

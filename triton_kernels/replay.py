@@ -18,12 +18,15 @@ How (``eager.EagerFunction`` calls it):
    value) runs the ``torch.autograd.Function`` as before, under a ``Recorder``: it notes every kernel
    ``launch.launch`` starts (the compiled kernel, grid and arguments) and every ATen op.
 2. The first backward of that signature runs under a second ``Recorder`` (calls until then take the
-   Python path, unrecorded). Then the call is *replayable* when each
-   pass's ATen ops were only allocations (``torch.empty*``), its work only launches through
-   ``launch.launch``, each tensor argument of a launch is a whole tensor of the call (an argument, the
-   gradient, a saved tensor or an allocation; never a view into one), and the output and each gradient
-   are one whole allocation. Anything else (a cooperative grid, an autotuned kernel, a zero-filled
-   buffer, a matmul by PyTorch, ...) and the signature keeps its Python: correct, only slower.
+   Python path, unrecorded). Then the call is *replayable* when each pass's ATen ops were only
+   allocations (``torch.empty*``, strided or not) and views (``.t()``, ``.view``, ``.permute``, ...: a
+   tensor's sizes, strides and offset, no work), its work only launches through ``launch.launch``, each
+   tensor argument of a launch is a tensor of the call (an argument, the gradient, a saved tensor, an
+   allocation, or a view of one of these), and the output and each gradient are memory the pass
+   allocated (or a view of it). Anything else (a cooperative grid, a zero-filled buffer, a matmul by
+   PyTorch, a loss's count of targets, ...) and the signature keeps its Python: correct, only slower. A
+   pass that first tuned a kernel (the matmul's autotuner, timing its candidates at a new shape) is not
+   kept: the next call of the signature is recorded instead.
 3. Every later call of a replayable signature is ``cuda_kernels::run_triton_plan`` (level 5's
    extension, ``cuda_kernels/triton_replay.cpp``): the forward, and an output whose ``grad_fn`` is a C++
    node that replays the backward.
@@ -53,10 +56,11 @@ from . import launch as launch_module
 REPLAY = not launch_module.INTERPRETING and os.environ.get("TRITON_KERNELS_REPLAY", "1") != "0"
 """Replay recorded calls from C++ (see above); read at each call, so a test or a benchmark can switch it."""
 
-# The ATen ops a replayable pass may run: allocations, whose contents its kernels write in full; and the
-# detach PyTorch itself applies to a tensor a dispatch mode returns (no work).
+# The ATen ops a replayable pass may run, besides views: allocations, whose contents its kernels write in
+# full; and the detach PyTorch itself applies to a tensor a dispatch mode returns (no work).
 _ALLOCATIONS = frozenset({torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                          torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+                          torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                          torch.ops.aten.new_empty_strided.default})
 _DETACH = torch.ops.aten.detach.default
 
 # c10::ScalarType's numbers (stable: they are serialised in TorchScript files).
@@ -64,7 +68,7 @@ _SCALAR_TYPE = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, t
                 torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
 
 # triton_replay.cpp's ParameterKind.
-_TENSOR, _ALIGNED_TENSOR, _BITS32, _BITS64 = 0, 1, 2, 3
+_TENSOR, _ALIGNED_TENSOR, _BITS32, _BITS64, _SCRATCH = 0, 1, 2, 3, 4
 
 
 def signature(args) -> tuple:
@@ -81,13 +85,13 @@ class Refused(str):
 
 class Pending:
     """What a signature keeps from its first call's forward until a backward of it runs: the forward's record
-    (or ``Refused``) and the compiled kernels it launched. Calls meanwhile take the Python path,
-    unrecorded, and carry it to their backward."""
+    (or ``Refused``), the compiled kernels it launched and its output's strides. Calls meanwhile take the
+    Python path, unrecorded, and carry it to their backward."""
 
-    __slots__ = ("signature", "forward", "kernels")
+    __slots__ = ("signature", "forward", "kernels", "output_stride")
 
-    def __init__(self, signature: tuple, forward, kernels: tuple):
-        self.signature, self.forward, self.kernels = signature, forward, kernels
+    def __init__(self, signature: tuple, forward, kernels: tuple, output_stride: tuple):
+        self.signature, self.forward, self.kernels, self.output_stride = signature, forward, kernels, output_stride
 
 
 class Plan:
@@ -146,19 +150,22 @@ def run(args, plan: Plan) -> torch.Tensor:
 
 def record_forward(function, args, call_signature: tuple, plans) -> torch.Tensor:
     """``function``'s first call of a signature, recorded: the signature keeps a ``Pending`` until a
-    backward of it runs (``record_backward``)."""
+    backward of it runs (``record_backward``); a call that tuned a kernel first keeps nothing, and the next
+    call records again."""
     if _extension() is None:
         plans.keep(call_signature, Refused("no C++ op to replay it"))
         return function._apply_in_cpp(*args)
     recorder = Recorder(args)
     with recorder:
         output = function._apply_in_cpp(*args)
+    if recorder.postponed:
+        return output
     node = output.grad_fn if isinstance(output, torch.Tensor) else None
     if node is None:
         plans.keep(call_signature, Refused("its output is not one tensor with a backward"))
     else:
         record = recorder.forward_record(output, node.saved_tensors)
-        node.pending = plans.keep(call_signature, Pending(call_signature, record, recorder.kernels()))
+        node.pending = plans.keep(call_signature, Pending(call_signature, record, recorder.kernels(), output.stride()))
     return output
 
 
@@ -172,34 +179,43 @@ def await_backward(function, args, pending: Pending) -> torch.Tensor:
 
 def record_backward(backward, ctx, grads, plans) -> tuple:
     """Run ``backward(ctx, *grads)`` under a ``Recorder`` and keep the signature's ``Plan`` (or ``Refused``)
-    in ``plans``; return the backward's gradients."""
+    in ``plans``; return the backward's gradients. The gradient is taken as it comes when it is laid out as
+    the output was (attention's output is a (B, H, L, D) view of a (B, L, H, D) buffer, and its gradient
+    comes back so), else made contiguous; the C++ node lays later gradients out the same way."""
     pending = ctx.pending
     if isinstance(pending.forward, Refused):
         plans.keep(pending.signature, pending.forward)
         return backward(ctx, *grads)
-    grad = grads[0].contiguous()
+    grad = grads[0] if grads[0].stride() == pending.output_stride else grads[0].contiguous()
     recorder = Recorder([grad, *ctx.saved_tensors])
     with recorder:
         gradients = backward(ctx, grad)
     gradients = gradients if isinstance(gradients, tuple) else (gradients,)
-    record = recorder.backward_record(gradients)
-    plans.keep(pending.signature, record if isinstance(record, Refused) else
-               Plan(_extension()[0](*pending.forward, *record), pending.kernels + recorder.kernels()))
+    if not recorder.postponed:
+        record = recorder.backward_record(gradients)
+        plans.keep(pending.signature, record if isinstance(record, Refused) else
+                   Plan(_extension()[0](*pending.forward, grad.stride(), *record), pending.kernels + recorder.kernels()))
     return gradients
 
 
 class Recorder(TorchDispatchMode):
     """Watches one pass (a forward or a backward) on this thread: the kernels ``launch.launch`` starts, the
-    buffers it allocates, and any other ATen op (which makes it not replayable). ``forward_record`` and
-    ``backward_record`` turn what it saw into ``make_triton_plan``'s arguments, or ``Refused``."""
+    buffers it allocates, the views it takes, and any other ATen op (which makes it not replayable).
+    ``forward_record`` and ``backward_record`` turn what it saw into ``make_triton_plan``'s arguments, or
+    ``Refused``.
 
-    def __init__(self, slots):
+    Slots are numbered as triton_replay.cpp numbers them: the tensors the pass is handed (None for a
+    non-tensor argument), then its allocations, then its views."""
+
+    def __init__(self, handed):
         super().__init__()
-        # The pass's tensors by slot: its arguments (None for a non-tensor), then each allocation.
-        self.slots = [slot if isinstance(slot, torch.Tensor) else None for slot in slots]
-        self.first_allocation = len(self.slots)
+        # Each list keeps its tensors alive, so no later buffer reuses an address and no id is reused.
+        self.handed = [tensor if isinstance(tensor, torch.Tensor) else None for tensor in handed]
+        self.allocations = []
+        self.views = []  # (view, the tensor it was taken of)
         self.launches = []  # (kernel, CompiledKernel, grid, every parameter's value)
         self.refusal = None
+        self.postponed = False
 
     def __enter__(self):
         launch_module.RECORDERS[threading.get_ident()] = self
@@ -212,14 +228,23 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
-            self.slots.append(out)  # also keeps it alive, so no later buffer reuses its address
-        elif func is not _DETACH:
+            self.allocations.append(out)
+        elif func is _DETACH:  # the same tensor again (found by its address, like any alias of a slot)
+            pass
+        elif func.is_view and isinstance(args[0], torch.Tensor):  # a view's metadata only: no work
+            self.views += [(view, args[0]) for view in (out if isinstance(out, (tuple, list)) else (out,))]
+        else:
             self.refuse(f"it runs {func}")
         return out
 
     def refuse(self, why: str) -> None:
         if self.refusal is None:
             self.refusal = why
+
+    def postpone(self) -> None:
+        """This pass tuned a kernel (an autotuner timing its candidates): what it ran is not what later calls
+        will, so it is not kept, and the next call of the signature is recorded instead."""
+        self.postponed = True
 
     def launched(self, entry, grid, args) -> None:
         """Called by ``launch.launch`` for each kernel it starts; ``entry`` is its cache entry (kernel,
@@ -235,74 +260,118 @@ class Recorder(TorchDispatchMode):
         return tuple(compiled for _, compiled, _, _ in self.launches)
 
     def forward_record(self, output, saved):
-        """(allocations, launches, output slot, saved slots), or ``Refused``."""
+        """(allocations, views, launches, output slot, saved slots), or ``Refused``."""
         try:
-            allocations, launches, slot_of = self._pass()
-            return allocations, launches, self._whole_allocation(output, slot_of), [self._whole(t, slot_of) for t in saved]
+            slots = _Slots(self)
+            saved_slots = [slots.whole(tensor) for tensor in saved]
+            if any(slots.is_view_of_handed(slot) for slot in saved_slots):
+                raise _NotReplayable("it saves a view of an argument")
+            return (*slots.rows(), slots.allocated(output), saved_slots)
         except _NotReplayable as why:
             return Refused(why)
 
     def backward_record(self, gradients):
-        """(allocations, launches, the gradients' slots), or ``Refused``."""
+        """(allocations, views, launches, the gradients' slots), or ``Refused``."""
         try:
-            allocations, launches, slot_of = self._pass()
-            slots = [-1 if gradient is None else self._whole_allocation(gradient, slot_of) for gradient in gradients]
-            return allocations, launches, slots
+            slots = _Slots(self)
+            return (*slots.rows(), [-1 if gradient is None else slots.allocated(gradient) for gradient in gradients])
         except _NotReplayable as why:
             return Refused(why)
-
-    def _pass(self):
-        if self.refusal is not None:
-            raise _NotReplayable(self.refusal)
-        if not self.launches:
-            raise _NotReplayable("it launched no kernel")
-        slot_of = {}
-        for slot, tensor in enumerate(self.slots):
-            if tensor is None:
-                continue
-            address = tensor.data_ptr()
-            if address == 0 or address in slot_of:
-                raise _NotReplayable("two of its tensors share an address, or one is empty")
-            slot_of[address] = slot
-        allocations = []
-        device = next(tensor for tensor in self.slots if tensor is not None).device  # where the C++ op allocates
-        for tensor in self.slots[self.first_allocation:]:
-            if not tensor.is_contiguous() or tensor.device != device or tensor.dtype not in _SCALAR_TYPE:
-                raise _NotReplayable("it allocates a buffer the C++ op would not allocate alike")
-            allocations.append([_SCALAR_TYPE[tensor.dtype], *tensor.shape])
-        try:
-            launches = [_launch_row(kernel, compiled, grid, values, slot_of)
-                        for kernel, compiled, grid, values in self.launches]
-        except (AttributeError, KeyError) as error:  # a Triton whose CompiledKernel reads otherwise
-            raise _NotReplayable(f"its compiled kernels do not read as expected ({error!r})") from error
-        return allocations, launches, slot_of
-
-    def _whole(self, tensor, slot_of) -> int:
-        """The slot that is exactly ``tensor`` (same address, shape, strides and dtype)."""
-        slot = slot_of.get(tensor.data_ptr()) if isinstance(tensor, torch.Tensor) else None
-        if (slot is None or tensor.shape != self.slots[slot].shape or tensor.stride() != self.slots[slot].stride()
-                or tensor.dtype != self.slots[slot].dtype):
-            raise _NotReplayable("a tensor it hands on is not a whole tensor of the pass")
-        return slot
-
-    def _whole_allocation(self, tensor, slot_of) -> int:
-        slot = self._whole(tensor, slot_of)
-        if slot < self.first_allocation:
-            raise _NotReplayable("a tensor it returns is not a buffer it allocated")
-        return slot
 
 
 class _NotReplayable(Exception):
     pass
 
 
-def _launch_row(kernel, compiled, grid, values, slot_of) -> list[int]:
+class _Slots:
+    """A recorded pass's tensors numbered as slots, and its rows for ``make_triton_plan``."""
+
+    def __init__(self, recorder: Recorder):
+        if recorder.refusal is not None:
+            raise _NotReplayable(recorder.refusal)
+        if not recorder.launches:
+            raise _NotReplayable("it launched no kernel")
+        self.handed = len(recorder.handed)
+        self.first_view = self.handed + len(recorder.allocations)
+        self.tensors = [*recorder.handed, *recorder.allocations, *(view for view, _ in recorder.views)]
+        self.by_id = {id(tensor): slot for slot, tensor in enumerate(self.tensors) if tensor is not None}
+        # The tensors that own memory (handed or allocated) must not share an address: a kernel's pointer is
+        # found by it, and two arguments that alias now may not alias at the next call.
+        self.by_address = {}
+        for slot, tensor in enumerate(self.tensors[:self.first_view]):
+            if tensor is None:
+                continue
+            if tensor.data_ptr() == 0 or tensor.data_ptr() in self.by_address:
+                raise _NotReplayable("two of its tensors share an address, or one is empty")
+            self.by_address[tensor.data_ptr()] = slot
+        device = next(tensor for tensor in self.tensors if tensor is not None).device  # where the C++ op allocates
+        self.allocations = []
+        for tensor in recorder.allocations:
+            if tensor.device != device or tensor.dtype not in _SCALAR_TYPE:
+                raise _NotReplayable("it allocates a buffer the C++ op would not allocate alike")
+            self.allocations.append([_SCALAR_TYPE[tensor.dtype], tensor.dim(), *tensor.shape, *tensor.stride()])
+        self.bases = {}  # view slot -> the slot it is a view of
+        self.views = []
+        for slot, (view, base) in enumerate(recorder.views, self.first_view):
+            base_slot = self.whole(base, before=slot)
+            base = self.tensors[base_slot]
+            if view.dtype != base.dtype or view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                raise _NotReplayable("it views a tensor as another dtype")
+            self.bases[slot] = base_slot
+            self.views.append([base_slot, view.storage_offset() - base.storage_offset(), view.dim(), *view.shape,
+                               *view.stride()])
+            if view.data_ptr() != 0:
+                self.by_address.setdefault(view.data_ptr(), slot)
+        try:
+            self.launches = [_launch_row(kernel, compiled, grid, values, self)
+                             for kernel, compiled, grid, values in recorder.launches]
+        except (AttributeError, KeyError) as error:  # a Triton whose CompiledKernel reads otherwise
+            raise _NotReplayable(f"its compiled kernels do not read as expected ({error!r})") from error
+
+    def rows(self) -> tuple:
+        return self.allocations, self.views, self.launches
+
+    def pointer(self, tensor):
+        """The slot whose address a kernel parameter ``tensor`` has, or None."""
+        slot = self.by_id.get(id(tensor))
+        return slot if slot is not None else self.by_address.get(tensor.data_ptr())
+
+    def whole(self, tensor, before=None) -> int:
+        """The slot that is exactly ``tensor``: the same object, or the same address, sizes, strides and dtype
+        (a saved output unpacked again is a new tensor object), among the slots before ``before``."""
+        slot = self.by_id.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if slot is not None and (before is None or slot < before):
+            return slot
+        if isinstance(tensor, torch.Tensor):
+            for slot, candidate in enumerate(self.tensors[:before]):
+                if (candidate is not None and candidate.data_ptr() == tensor.data_ptr() and candidate.dtype == tensor.dtype
+                        and candidate.shape == tensor.shape and candidate.stride() == tensor.stride()):
+                    return slot
+        raise _NotReplayable("a tensor it hands on is not a tensor of the pass")
+
+    def root(self, slot: int) -> int:
+        while slot in self.bases:
+            slot = self.bases[slot]
+        return slot
+
+    def is_view_of_handed(self, slot: int) -> bool:
+        return slot >= self.first_view and self.root(slot) < self.handed
+
+    def allocated(self, tensor) -> int:
+        """The slot of ``tensor``, which must be memory the pass allocated (or a view of it)."""
+        slot = self.whole(tensor)
+        if self.root(slot) < self.handed:
+            raise _NotReplayable("a tensor it returns is not a buffer it allocated")
+        return slot
+
+
+def _launch_row(kernel, compiled, grid, values, slots: _Slots) -> list[int]:
     """[CUfunction, grid x, y, z, threads, shared bytes, (kind, value) per parameter] of one recorded
     launch, as triton_replay.cpp takes it."""
     metadata = compiled.metadata
     if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
             or getattr(metadata, "launch_pdl", False) or getattr(metadata, "tensordesc_meta", None)
-            or getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0)):
+            or getattr(metadata, "profile_scratch_size", 0)):
         raise _NotReplayable(f"{kernel.fn.__name__} needs a launch the C++ op does not make")
     row = [compiled.function, *grid, 32 * metadata.num_warps, metadata.shared]
     sizes = []
@@ -312,7 +381,7 @@ def _launch_row(kernel, compiled, grid, values, slot_of) -> list[int]:
         if kind == "constexpr":
             continue
         if kind.startswith("*"):
-            slot = slot_of.get(value.data_ptr()) if isinstance(value, torch.Tensor) else None
+            slot = slots.pointer(value) if isinstance(value, torch.Tensor) else None
             if slot is None:
                 raise _NotReplayable(f"{kernel.fn.__name__}'s {parameter.name} is not a whole tensor of the pass")
             row += [_ALIGNED_TENSOR if value.data_ptr() % 16 == 0 else _TENSOR, slot]
@@ -335,8 +404,11 @@ def _launch_row(kernel, compiled, grid, values, slot_of) -> list[int]:
     scratch = declared[len(sizes):]
     if declared[:len(sizes)] != sizes or any(size != 8 for size in scratch):
         raise _NotReplayable(f"{kernel.fn.__name__}'s PTX parameters {declared} do not match its arguments {sizes}")
-    for _ in scratch:  # Triton's scratch pointers, null: the kernel asked for no scratch memory
-        row += [_BITS64, 0]
+    # Triton's scratch pointers: global scratch (so many bytes a program, for a TMA descriptor built on the
+    # device), allocated per launch as Triton's launcher does; null where the kernel asks for none.
+    global_scratch = getattr(metadata, "global_scratch_size", 0) * grid[0] * grid[1] * grid[2]
+    for index in range(len(scratch)):
+        row += [_SCRATCH, global_scratch] if index == 0 and global_scratch else [_BITS64, 0]
     return row
 
 
