@@ -48,8 +48,8 @@ a context manager), and its gain is under torch.compile, where Inductor traces i
 not make eager calls cheaper, so the two doors stay. Both run the same kernels.
 
 On a GPU the eager door has a shortcut (``replay.py``): the first call of an input signature, and its
-first backward, run the Function under a recorder, and when each was only allocations and launches,
-later calls of that signature are one C++ op of level 5's extension that launches the same compiled
+first backward, run the Function under a recorder, and when each was only allocations, views and
+launches, later calls of that signature are one C++ op of level 5's extension that launches the same compiled
 kernels, its backward a C++ autograd node: no Python past the call, none on autograd's device thread.
 
 Where the checks run. A launcher checks what reaches it (the ops and the package functions take
