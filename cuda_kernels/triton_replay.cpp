@@ -174,6 +174,7 @@ struct Pass {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       for (const View& view : views) {
         const at::Tensor base = slots[view.base];
+        TORCH_CHECK(base.defined(), "run_triton_plan: a view of slot ", view.base, ", which holds no tensor");
         slots.push_back(base.as_strided(view.sizes, view.strides, base.storage_offset() + view.offset));
       }
     }
