@@ -652,6 +652,18 @@ def test_views_are_recorded_as_slots_of_their_own(compiled_scale_kernel):
     assert (output_slot, saved_slots) == (6, [0])
 
 
+def test_a_kernel_that_asks_for_global_scratch_gets_it_per_launch(compiled_scale_kernel):
+    """Triton's launcher hands such a kernel (a TMA descriptor built on the device) so many bytes a program in
+    its first scratch pointer: the plan asks the C++ op for the same, for the recorded grid."""
+    compiled_scale_kernel.recorder.compiled.metadata.global_scratch_size = 128
+    x = torch.randn(64)
+    with replay.Recorder([x]) as recorder:
+        out = torch.empty_like(x)
+        call(compiled_scale_kernel, x, out, n=64, grid=(4, 2))
+    launch_row = recorder.forward_record(out, [])[2][0]
+    assert launch_row[-4:] == [replay._SCRATCH, 128 * 4 * 2, replay._BITS64, 0]
+
+
 @pytest.mark.parametrize("case", ["a zero-filled buffer", "a gradient that is a view of an argument",
                                   "a buffer seen as another dtype", "a PTX of other parameters",
                                   "a kernel through the JIT"])
