@@ -842,6 +842,26 @@ def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, confi
 
 
 @pytest.mark.gpu
+def test_a_gpt_training_step_runs_every_level_4_op_but_the_loss_from_cpp():
+    """Once a step's first calls and backwards are recorded, level 4's GPT runs its LayerNorms, projections,
+    attention and feed-forwards from C++. The LM head + loss keeps its Python: it counts the targets that are
+    not ignored and checks their range on the host, work and a wait the C++ op could not repeat."""
+    eager = importlib.import_module("triton_kernels.eager")
+    tiny = importlib.import_module("levels.gpt").TINY
+    for function in eager.EagerFunction.__subclasses__():
+        function._replay_plans.clear()  # what earlier tests recorded, refusals included
+    model = levels.build("gpt", "triton", **dict(tiny, block_size=32)).to("cuda")
+    idx, targets = (torch.randint(0, tiny["vocab_size"], (2, 32), device="cuda") for _ in range(2))
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(idx, targets).backward()
+    report = {name: entry for name, entry in replay.plans().items() if any(entry.values())}
+    assert {name for name, entry in report.items() if entry["refused"]} == {"_LinearCrossEntropyEager"}, report
+    for name in ("_LayerNormEager", "_LinearEager", "_AttentionEager", "_FeedForwardEager"):
+        assert report[name]["replayed"] and not report[name]["pending"], report
+
+
+@pytest.mark.gpu
 def test_a_backward_that_runs_pytorch_ops_stays_in_python_and_right(monkeypatch):
     softmax = importlib.import_module("triton_kernels.softmax")
     launch_backward = softmax.launch_softmax_bwd_unchecked
