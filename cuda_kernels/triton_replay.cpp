@@ -137,16 +137,14 @@ struct Pass {
     }
   }
 
-  int64_t slots(int64_t handed) const {
-    return handed + static_cast<int64_t>(allocations.size() + views.size());
-  }
+  int64_t first_view(int64_t handed) const { return handed + static_cast<int64_t>(allocations.size()); }
+  int64_t slots(int64_t handed) const { return first_view(handed) + static_cast<int64_t>(views.size()); }
 
   // Every slot a view or a launch names exists (a view's, before it), when the pass is handed `handed` slots:
   // a wrong number would read past a vector, not raise.
   void check_slots(int64_t handed) const {
-    const int64_t first_view = handed + static_cast<int64_t>(allocations.size());
     for (size_t i = 0; i < views.size(); ++i) {
-      TORCH_CHECK(0 <= views[i].base && views[i].base < first_view + static_cast<int64_t>(i),
+      TORCH_CHECK(0 <= views[i].base && views[i].base < first_view(handed) + static_cast<int64_t>(i),
                   "make_triton_plan: a view of no earlier slot ", views[i].base);
     }
     for (const Launch& launch : launches) {
@@ -156,11 +154,13 @@ struct Pass {
     }
   }
 
-  // The slot that `slot` is a view of, through views of views: itself for a handed slot or an allocation.
-  int64_t root(int64_t slot, int64_t handed) const {
-    const int64_t first_view = handed + static_cast<int64_t>(allocations.size());
-    while (slot >= first_view) slot = views[slot - first_view].base;
-    return slot;
+  // Whether `slot` is memory this pass allocated, or a view of it (through views of views), when it is handed
+  // `handed` slots: what may leave the pass, where a view of a handed tensor would alias memory the caller
+  // may change.
+  bool allocated(int64_t slot, int64_t handed) const {
+    if (slot < 0 || slot >= slots(handed)) return false;
+    while (slot >= first_view(handed)) slot = views[slot - first_view(handed)].base;
+    return slot >= handed;
   }
 
   // Appends the allocations and the views to `slots` (on `options`' device) and launches every kernel.
@@ -264,17 +264,13 @@ int64_t make_triton_plan(const std::vector<std::vector<int64_t>>& forward_alloca
   const Pass& backward = plan->backward;
   forward.check_slots(arguments);
   backward.check_slots(backward_handed);
-  // What leaves a pass is memory the pass allocated (or an argument the backward keeps as it is): a view of an
-  // argument would alias memory the caller may change.
-  TORCH_CHECK(0 <= plan->output && plan->output < forward.slots(arguments) && forward.root(plan->output, arguments) >= arguments,
-              "make_triton_plan: the output must be a forward allocation or a view of one");
+  TORCH_CHECK(forward.allocated(plan->output, arguments), "make_triton_plan: the output must be a forward allocation or a view of one");
   for (int64_t slot : plan->saved) {
-    TORCH_CHECK(0 <= slot && slot < forward.slots(arguments) && (slot < arguments || forward.root(slot, arguments) >= arguments),
+    TORCH_CHECK((0 <= slot && slot < arguments) || forward.allocated(slot, arguments),
                 "make_triton_plan: a saved slot must be an argument, a forward allocation or a view of one; got ", slot);
   }
   for (int64_t slot : plan->input_gradients) {
-    TORCH_CHECK(slot == -1 || (0 <= slot && slot < backward.slots(backward_handed) &&
-                               backward.root(slot, backward_handed) >= backward_handed),
+    TORCH_CHECK(slot == -1 || backward.allocated(slot, backward_handed),
                 "make_triton_plan: a gradient must be a backward allocation or a view of one");
   }
   PlanRegistry& plans = registry();
@@ -333,9 +329,8 @@ struct TritonBackward : torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     const auto self = pointer_to(this);
+    // (Autograd has matched the gradient's sizes to the output's.)
     at::Tensor grad = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
-    TORCH_CHECK(grad.dim() == static_cast<int64_t>(plan->gradient_strides.size()), "TritonBackward: a gradient of ",
-                grad.dim(), " dims for an output of ", plan->gradient_strides.size());
     // A gradient laid out otherwise than the recorded one (its kernels may read its strides as recorded
     // integers), or at an address that is not a multiple of 16 (for kernels compiled for aligned pointers), is
     // copied, once, into the recorded layout: a fresh buffer, so aligned.

@@ -691,7 +691,7 @@ def test_a_pass_that_tuned_a_kernel_is_recorded_again_at_the_next_call(compiled_
         launch_module.launch(autotuned, (1,), x, torch.empty(64), 64, 0.5, COMPUTE=tl.float32)
     assert recorder.postponed and recorder.refusal is None
     with replay.Recorder([x]) as recorder:
-        launch_module._refuse_or_postpone_recording(compiled_scale_kernel)
+        launch_module._tell_recorder("launched_through_jit", compiled_scale_kernel)
     assert not recorder.postponed and "through Triton's JIT" in recorder.refusal
 
 

@@ -461,32 +461,16 @@ _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, va
 
 RECORDERS: dict[int, object] = {}
 """The ``replay.Recorder`` watching a forward or a backward, by thread, while one does: ``launch`` tells
-it each kernel it starts, and that an autotuner tuned one; ``launch_cooperative`` that the pass cannot be
-replayed."""
+it each kernel it starts (straight to its launcher, or through Triton's JIT), ``launch_cooperative`` that
+the pass cannot be replayed."""
 
 
-def _record(entry, grid, args) -> None:
+def _tell_recorder(event: str, *details) -> None:
+    """Call ``event`` (``launched``, ``launched_through_jit``, ``refuse``) on this thread's recorder, if one
+    is watching."""
     recorder = RECORDERS.get(threading.get_ident())
     if recorder is not None:
-        recorder.launched(entry, grid, args)
-
-
-def _refuse_to_record(why: str) -> None:
-    recorder = RECORDERS.get(threading.get_ident())
-    if recorder is not None:
-        recorder.refuse(why)
-
-
-def _refuse_or_postpone_recording(kernel) -> None:
-    """A launch through Triton's JIT cannot be replayed, but an autotuner's (the first call of a key, which
-    times the candidates; later calls launch its choice through ``launch``) only makes this call unlike the
-    next: the recorder waits for that one."""
-    recorder = RECORDERS.get(threading.get_ident())
-    if recorder is not None:
-        if type(kernel) is _Autotuner:
-            recorder.postpone()
-        else:
-            recorder.refuse(f"{kernel} launched through Triton's JIT")
+        getattr(recorder, event)(*details)
 
 
 def launch(kernel, grid, *args, **constants) -> None:
@@ -495,7 +479,7 @@ def launch(kernel, grid, *args, **constants) -> None:
     autotuned kernel (its grid a function of the chosen tile) takes Triton's path."""
     if INTERPRETING or not DIRECT_LAUNCH or type(kernel) is not _JITFunction or _hooked(kernel):
         if RECORDERS:
-            _refuse_or_postpone_recording(kernel)
+            _tell_recorder("launched_through_jit", kernel)
         kernel[grid](*args, **constants)
         return
     device = _current_cuda_device()
@@ -506,10 +490,10 @@ def launch(kernel, grid, *args, **constants) -> None:
         if isinstance(compiled, triton.compiler.CompiledKernel):
             entry = _compiled_kernels[key] = (kernel, compiled, _constant_tail(kernel, args, constants))
         if RECORDERS:
-            _record(entry, grid, args)
+            _tell_recorder("launched", entry, grid, args)
         return
     if RECORDERS:
-        _record(entry, grid, args)
+        _tell_recorder("launched", entry, grid, args)
     _, compiled, tail = entry
     # As JITFunction.run does: the launcher, the loaded function and the packed metadata are read off
     # the CompiledKernel at each launch; no launch metadata and no hooks, since _hooked found none.
@@ -612,7 +596,7 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     launching nothing, when fewer than ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit:
     the caller runs its two phases. The row counters go among ``args`` as ``ROW_ARRIVALS``."""
     if RECORDERS:
-        _refuse_to_record("a cooperative grid (its row counters are zeroed per call)")
+        _tell_recorder("refuse", "a cooperative grid (its row counters are zeroed per call)")
     _, compiled, resident, tail = _cooperative_entry(kernel, args, constants)
     rows_at_once = _rows_at_once(resident, rows, slices)
     if not rows_at_once:
@@ -646,7 +630,6 @@ class SignatureTable(dict):
 
 
 _JITFunction = triton.runtime.JITFunction  # exactly: a subclass could launch differently
-_Autotuner = triton.runtime.Autotuner
 
 
 def _hooked(kernel) -> bool:

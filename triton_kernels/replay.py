@@ -49,6 +49,7 @@ import sys
 import threading
 
 import torch
+import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import launch as launch_module
@@ -241,10 +242,15 @@ class Recorder(TorchDispatchMode):
         if self.refusal is None:
             self.refusal = why
 
-    def postpone(self) -> None:
-        """This pass tuned a kernel (an autotuner timing its candidates): what it ran is not what later calls
-        will, so it is not kept, and the next call of the signature is recorded instead."""
-        self.postponed = True
+    def launched_through_jit(self, kernel) -> None:
+        """Called by ``launch.launch`` for a kernel it hands to Triton's JIT, which the C++ op cannot repeat.
+        An autotuner's launch, though (a key's first call, timing the candidates; later calls launch its
+        choice directly), only makes this pass unlike the next call's: the pass is not kept, and the next
+        call of the signature is recorded instead."""
+        if type(kernel) is triton.runtime.Autotuner:
+            self.postponed = True
+        else:
+            self.refuse(f"{kernel} launched through Triton's JIT")
 
     def launched(self, entry, grid, args) -> None:
         """Called by ``launch.launch`` for each kernel it starts; ``entry`` is its cache entry (kernel,
@@ -264,7 +270,7 @@ class Recorder(TorchDispatchMode):
         try:
             slots = _Slots(self)
             saved_slots = [slots.whole(tensor) for tensor in saved]
-            if any(slots.is_view_of_handed(slot) for slot in saved_slots):
+            if any(slot >= slots.handed and not slots.owned(slot) for slot in saved_slots):
                 raise _NotReplayable("it saves a view of an argument")
             return (*slots.rows(), slots.allocated(output), saved_slots)
         except _NotReplayable as why:
@@ -349,18 +355,16 @@ class _Slots:
                     return slot
         raise _NotReplayable("a tensor it hands on is not a tensor of the pass")
 
-    def root(self, slot: int) -> int:
+    def owned(self, slot: int) -> bool:
+        """Whether ``slot`` is memory the pass allocated, or a view of it (through views of views)."""
         while slot in self.bases:
             slot = self.bases[slot]
-        return slot
-
-    def is_view_of_handed(self, slot: int) -> bool:
-        return slot >= self.first_view and self.root(slot) < self.handed
+        return slot >= self.handed
 
     def allocated(self, tensor) -> int:
         """The slot of ``tensor``, which must be memory the pass allocated (or a view of it)."""
         slot = self.whole(tensor)
-        if self.root(slot) < self.handed:
+        if not self.owned(slot):
             raise _NotReplayable("a tensor it returns is not a buffer it allocated")
         return slot
 
@@ -383,7 +387,7 @@ def _launch_row(kernel, compiled, grid, values, slots: _Slots) -> list[int]:
         if kind.startswith("*"):
             slot = slots.pointer(value) if isinstance(value, torch.Tensor) else None
             if slot is None:
-                raise _NotReplayable(f"{kernel.fn.__name__}'s {parameter.name} is not a whole tensor of the pass")
+                raise _NotReplayable(f"{kernel.fn.__name__}'s {parameter.name} is not a tensor of the pass")
             row += [_ALIGNED_TENSOR if value.data_ptr() % 16 == 0 else _TENSOR, slot]
             sizes.append(8)
         elif kind in ("i32", "u32"):
