@@ -199,8 +199,17 @@ def test_the_level_4_matmul_at_a_decode_steps_rows_matches_float64(rows, columns
         assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]) == getattr(matmul, tile)[:3]
 
 
-TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate")]
-"""(B stored transposed, epilogue): every layout and epilogue the TMA kernel takes, with a bias for none."""
+TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (True, "accumulate"), (True, "gelu"),
+                    (True, "gelu_saving_pre_activation"), (False, "gelu_backward")]
+"""(B stored transposed, epilogue): every layout and epilogue the TMA kernel takes, each GELU one in the layout
+the feed-forward gives it (x·W_fcᵀ with a bias; grad_y·W_proj)."""
+
+
+def _gelu_tanh_and_derivative(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = h.detach().requires_grad_()
+    gelu = torch.nn.functional.gelu(h, approximate="tanh")
+    (derivative,) = torch.autograd.grad(gelu.sum(), h)
+    return gelu.detach(), derivative
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params("triton"))
@@ -209,8 +218,9 @@ TMA_MATMUL_CASES = [(False, "none"), (True, "none"), (False, "accumulate"), (Tru
 def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, dtype, monkeypatch):
     """The persistent TMA kernel, through launch_matmul, against float64: 136 rows (an edge tile-row), 72
     columns, K = 88 (a partial last step, which the TMA box reads as zeros). On the GPU it runs 16-bit
-    matmuls on a Hopper GPU; every size is made "large" and the autotuner given one candidate, so that
-    the test compiles one kernel a case. Under the interpreter it runs every matmul it can read."""
+    matmuls on a Hopper GPU (the GELU epilogues through tanh.approx); every size is made "large" and the
+    autotuner given one candidate, so that the test compiles one kernel a case. Under the interpreter it
+    runs every matmul it can read."""
     matmul = importlib.import_module("triton_kernels.matmul")
     if device == "cuda":
         if dtype.itemsize != 2 or not matmul._has_tma(torch.cuda.current_device()):
@@ -223,17 +233,25 @@ def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, 
     b = (torch.randn(columns, depth, dtype=dtype, device=device).t() if b_transposed
          else torch.randn(depth, columns, dtype=dtype, device=device))
     assert matmul._tma_operands(a, b, None, epilogue, None) == (b_transposed, depth, b.stride(1 if b_transposed else 0))
-    bias = torch.randn(columns, dtype=dtype, device=device) if epilogue == "none" else None
+    bias = torch.randn(columns, dtype=dtype, device=device) if b_transposed or epilogue == "none" else None
     out = torch.randn(rows, columns, dtype=dtype, device=device)
-    wanted = a.double() @ b.double() + (bias.double() if bias is not None else out.double())
-    matmul.launch_matmul(a, b, epilogue, bias=bias, out=out)
+    product = a.double() @ b.double() + (bias.double() if bias is not None else 0)
+    pre_activation = {"gelu_saving_pre_activation": torch.empty_like(out),
+                      "gelu_backward": torch.randn_like(out)}.get(epilogue)
+    wanted = {"none": product, "accumulate": product + out.double()}.get(epilogue)
+    if epilogue.startswith("gelu"):
+        gelu, derivative = _gelu_tanh_and_derivative(pre_activation.double() if epilogue == "gelu_backward" else product)
+        wanted = product * derivative if epilogue == "gelu_backward" else gelu
+    matmul.launch_matmul(a, b, epilogue, bias=bias, pre_activation=pre_activation, out=out)
     assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
+    if epilogue == "gelu_saving_pre_activation":
+        assert relative_max_error(pre_activation.double(), product) <= TOLERANCE[dtype]
 
 
 def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
     """What the TMA kernel was slower at on an H100 goes to the pointer kernel wherever it runs: A read
-    transposed (a weight gradient), row sums, the GELU epilogues; and so does what TMA cannot read in place
-    (an outer stride that is not a multiple of 16 bytes), and an empty K."""
+    transposed (a weight gradient) and row sums; and so does what TMA cannot read in place (an outer stride
+    that is not a multiple of 16 bytes), and an empty K. The GELU epilogues take the TMA kernel."""
     matmul = importlib.import_module("triton_kernels.matmul")
     device = "cpu" if matmul.interpreter_is_on() else "cuda"
     a, b = torch.randn(64, 32, device=device), torch.randn(32, 48, device=device)
@@ -242,7 +260,7 @@ def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
     assert matmul._tma_operands(a.t().contiguous().t(), b, None, "none", None) is None
     assert matmul._tma_operands(a, b, None, "none", torch.empty(64, device=device)) is None
     for epilogue in ("gelu", "gelu_saving_pre_activation", "gelu_backward"):
-        assert matmul._tma_operands(a, b, None, epilogue, None) is None
+        assert matmul._tma_operands(a, b, None, epilogue, None) is not None or device == "cuda"
     assert matmul._tma_operands(torch.randn(64, 33, device=device)[:, :32], b, None, "none", None) is None
     assert matmul._tma_operands(torch.randn(64, 0, device=device), torch.randn(0, 48, device=device), None, "none",
                                 None) is None  # an empty K: a descriptor has no zero-sized dim

@@ -57,8 +57,10 @@ profiling/results/h100/tma-matmul.md)
     pointer kernel's programs loads through cp.async, then stores its tile and ends.
     The TMA kernel closes most of that gap where A is read by rows. The loss's logits matmul, the
     largest in the model, runs at cuBLAS's speed. The weight gradients (A read transposed, few tiles)
-    and the GELU epilogues stay with the pointer kernel, which was faster there (``_tma_operands``).
-    The epilogues: feed_forward.py.
+    stay with the pointer kernel, which was faster there (``_tma_operands``). The GELU epilogues take the
+    TMA kernel since their tanh is one instruction (``_tanh_approx``): on an H200 they then beat cuBLAS
+    followed by ATen's GELU kernels (profiling/results/h200/gelu-epilogues.md). The epilogues:
+    feed_forward.py.
 
 Limits
     Any M, N, K (the edge tiles wrap their loads and mask their stores, or the TMA boxes read zeros past
@@ -214,8 +216,14 @@ def _tiles_worth_timing(configs, named_args, **kwargs):
 
 
 # --- GELU (tanh approximation) ------------------------------------------------------------------------------
-# 1 + tanh(u) = 2·sigmoid(2u) and 1 − tanh(u)² = 4·s·(1 − s) with s = sigmoid(2u): one exponential,
-# and no cancellation where tanh(u) is near −1 (large negative h), where 1 + tanh(u) would lose digits.
+# Exact form (float32, float64, the interpreter): 1 + tanh(u) = 2·sigmoid(2u) and 1 − tanh(u)² = 4·s·(1 − s)
+# with s = sigmoid(2u): one exponential and one division, and no cancellation where tanh(u) is near −1 (large
+# negative h), where 1 + tanh(u) would lose digits.
+# Fast form (16-bit outputs on the GPU, FAST_TANH): tanh.approx.f32, one instruction of the SM's special
+# function unit, where the exact form's exponential and division take a dozen. Its error (about 2^-11 of tanh's
+# range) sits below float16's and bfloat16's rounding of the stored result, and the tile's epilogue is where a
+# matmul's tensor cores wait: measured on an H200 (bfloat16, GPT-2 small's feed-forward at 8192 tokens, TMA
+# kernel), x·W_fcᵀ with GELU saving h took 86.7 µs against 102.4, grad_y·W_proj with gelu' 98.9 against 132.6.
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 GELU_CUBIC = tl.constexpr(0.044715)
@@ -225,9 +233,22 @@ GELU_CUBIC = tl.constexpr(0.044715)
 
 
 @triton.jit
+def _gelu_inner(h):
+    """u = sqrt(2/π)·(h + 0.044715·h³)."""
+    return (h + h * h * h * GELU_CUBIC) * SQRT_2_OVER_PI
+
+
+@triton.jit
+def _tanh_approx(u):
+    """tanh on the special function unit (``tanh.approx.f32``): GPU only, never the interpreter."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _sigmoid_of_2u(h):
-    """s = sigmoid(2u),  u = sqrt(2/π)·(h + 0.044715·h³)."""
-    two_u = (h + h * h * h * GELU_CUBIC) * (2 * SQRT_2_OVER_PI)
+    """s = sigmoid(2u)."""
+    two_u = _gelu_inner(h) * 2
     # exp(−|2u|) ≤ 1: tl.sigmoid's exp(−2u) overflows to inf for 2u < −88 in float32 (h < −10);
     # a GPU shrugs (1/inf = 0), but Triton's CPU interpreter (numpy) warns on every such lane.
     e = tl.exp(-tl.abs(two_u))
@@ -235,16 +256,21 @@ def _sigmoid_of_2u(h):
 
 
 @triton.jit
-def _gelu_tanh(h):
+def _gelu_tanh(h, FAST_TANH: tl.constexpr):
     """0.5·h·(1 + tanh u) = h·s."""
+    if FAST_TANH:
+        return h * (_tanh_approx(_gelu_inner(h)) * 0.5 + 0.5)
     return h * _sigmoid_of_2u(h)
 
 
 @triton.jit
-def _gelu_tanh_derivative(h):
+def _gelu_tanh_derivative(h, FAST_TANH: tl.constexpr):
     """0.5·(1 + tanh u) + 0.5·h·(1 − tanh² u)·du/dh = s + 2·h·s·(1 − s)·du/dh."""
-    s = _sigmoid_of_2u(h)
     du_dh = (h * h * (3 * GELU_CUBIC) + 1.0) * SQRT_2_OVER_PI
+    if FAST_TANH:
+        t = _tanh_approx(_gelu_inner(h))
+        return (t + 1.0) * 0.5 + h * (1.0 - t * t) * du_dh * 0.5
+    s = _sigmoid_of_2u(h)
     return s + h * s * (1.0 - s) * du_dh * 2.0
 
 
@@ -269,7 +295,7 @@ def _grouped_tile(index, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
 @triton.jit
 def _finish_tile(acc, row_sums, tile_row, tile_col, C, Bias, PreActivation, RowSums, M, N, stride_cm,
                  EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, FAST_TANH: tl.constexpr):
     """What both matmul kernels do with a finished tile of A·B in registers: the row sums (tile-column 0
     stores them) and the epilogue, then the one store of the tile."""
     rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -286,11 +312,11 @@ def _finish_tile(acc, row_sums, tile_row, tile_col, C, Bias, PreActivation, RowS
     c_offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]  # C's rows may be padded apart
     if EPILOGUE == "gelu_backward":
         pre_activation = tl.load(PreActivation + offsets, mask=mask, other=0.0).to(COMPUTE)
-        acc *= _gelu_tanh_derivative(pre_activation)
+        acc *= _gelu_tanh_derivative(pre_activation, FAST_TANH)
     if EPILOGUE == "gelu_saving_pre_activation":
         tl.store(PreActivation + offsets, acc.to(PreActivation.dtype.element_ty), mask=mask)
     if EPILOGUE == "gelu" or EPILOGUE == "gelu_saving_pre_activation":
-        acc = _gelu_tanh(acc)
+        acc = _gelu_tanh(acc, FAST_TANH)
     if EPILOGUE == "accumulate":
         acc += tl.load(C + c_offsets, mask=mask, other=0.0).to(COMPUTE)
     tl.store(C + c_offsets, acc.to(C.dtype.element_ty), mask=mask)
@@ -300,7 +326,7 @@ def _finish_tile(acc, row_sums, tile_row, tile_col, C, Bias, PreActivation, RowS
 def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                    stride_cm, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUMS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr):
     tile_row, tile_col = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -330,14 +356,14 @@ def _matmul_kernel(A, B, C, Bias, PreActivation, RowSums, M, N, K, stride_am, st
         A += BLOCK_K * stride_ak  # pointer steps, not k·stride offsets: no 32-bit overflow at any K
         B += BLOCK_K * stride_bk
     _finish_tile(acc, row_sums if ROW_SUMS else acc, tile_row, tile_col, C, Bias, PreActivation, RowSums, M, N,
-                 stride_cm, EPILOGUE, HAS_BIAS, ROW_SUMS, BLOCK_M, BLOCK_N, COMPUTE)
+                 stride_cm, EPILOGUE, HAS_BIAS, ROW_SUMS, BLOCK_M, BLOCK_N, COMPUTE, FAST_TANH)
 
 
 @triton.jit
-def _matmul_tma_kernel(A, B, C, Bias, M, N, K, stride_a, stride_b, stride_cm, B_TRANSPOSED: tl.constexpr,
-                       EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+def _matmul_tma_kernel(A, B, C, Bias, PreActivation, M, N, K, stride_a, stride_b, stride_cm,
+                       B_TRANSPOSED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_TANH: tl.constexpr):
     """``_matmul_kernel``'s product, persistent and fed by the tensor-memory accelerator (Hopper's TMA),
     for the layouts and epilogues where it measured faster (``_tma_operands``).
 
@@ -369,9 +395,9 @@ def _matmul_tma_kernel(A, B, C, Bias, M, N, K, stride_a, stride_b, stride_cm, B_
             else:
                 b = b_boxes.load([depth, first_col])
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
-        # No GELU and no row sums here (_tma_operands): C stands in for their pointers, never read.
-        _finish_tile(acc, acc, tile_row, tile_col, C, Bias, C, C, M, N, stride_cm, EPILOGUE, HAS_BIAS, False, BLOCK_M,
-                     BLOCK_N, COMPUTE)
+        # No row sums here (_tma_operands): C stands in for their pointer, never read.
+        _finish_tile(acc, acc, tile_row, tile_col, C, Bias, PreActivation, C, M, N, stride_cm, EPILOGUE, HAS_BIAS,
+                     False, BLOCK_M, BLOCK_N, COMPUTE, FAST_TANH)
 
 
 def _autotuned(kernel, tiles: list[MatmulTile], key: list[str]):
@@ -433,10 +459,12 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epi
     autotuner would otherwise prune every candidate away.
 
     What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
-    bias gradient's row sums), where the TMA kernel ran 3-27 % slower, and the GELU epilogues, where the
-    pointer kernel's autotuner picks tiles small enough for two programs an SM, so that one's epilogue
-    overlaps the other's K loop, which one persistent program an SM cannot do."""
-    if row_sums is not None or (epilogue != Epilogue.NONE and epilogue != Epilogue.ACCUMULATE) or a.shape[1] == 0:
+    bias gradient's row sums), where the TMA kernel ran 3-27 % slower on an H100, and 25-100 % slower on an
+    H200 with the row sums in the TMA kernel too (profiling/results/h200/gelu-epilogues.md). The GELU
+    epilogues used to stay as well: with the exact tanh, the TMA kernel's one program an SM waited out each
+    tile's long epilogue, where the pointer kernel's two programs an SM overlapped it with a K loop. With
+    ``tanh.approx`` the epilogue is short enough that the TMA kernel wins (same file)."""
+    if row_sums is not None or a.shape[1] == 0:
         return None
     if not (interpreter_is_on() or (tile is None and a.is_cuda and _has_tma(a.get_device())
                                     and _a_tma_tile_fits(a.shape[0], b.shape[1]))):
@@ -507,7 +535,7 @@ class MatmulLaunch(NamedTuple):
     grid: tuple[int]  # or, for an autotuned kernel, a function of the chosen tile's meta-parameters
     scalars: tuple  # the kernel's arguments after its tensors
     constants: dict
-    tma: bool  # the TMA kernel, which takes no pre-activation or row sums
+    tma: bool  # the TMA kernel, which takes no row sums
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                  pre_activation: torch.Tensor | None = None, row_sums: torch.Tensor | None = None) -> torch.Tensor:
@@ -517,7 +545,7 @@ class MatmulLaunch(NamedTuple):
             # The descriptors' memory comes from this allocator, which Triton keeps per thread (a context
             # variable): autograd runs backward matmuls on a thread of its own, so each launch sets it.
             triton.set_allocator(_descriptor_scratch)
-            tensors = (a, b, out, bias)
+            tensors = (a, b, out, bias, pre_activation)
         else:
             tensors = (a, b, out, bias, pre_activation, row_sums)
         with on_device(a):
@@ -612,7 +640,8 @@ def _matmul_constants(epilogue: str, has_bias: bool, row_sums: bool, dtype: torc
     modify them). Without a tile the autotuner adds the tile's own. ``b_transposed`` is the TMA kernel's,
     None for the pointer kernel (which has ROW_SUMS instead)."""
     constants = dict(EPILOGUE=epilogue, HAS_BIAS=has_bias, GROUP_M=GROUP_M, COMPUTE=compute_dtype(dtype),
-                     DOT_PRECISION=dot_input_precision(dtype))
+                     DOT_PRECISION=dot_input_precision(dtype),
+                     FAST_TANH=dtype.itemsize == 2 and not interpreter_is_on())
     if b_transposed is None:
         constants.update(ROW_SUMS=row_sums)
     else:
