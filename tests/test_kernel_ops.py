@@ -13,7 +13,7 @@ from levels.backends import cuda_backend, triton_backend
 
 from levels.spec import TOLERANCE, relative_max_error
 
-from .conftest import device_dtype_params, kernel_level_device_params
+from .conftest import device_dtype_params, device_param, kernel_level_device_params, level_devices
 
 NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kernels", cuda_backend)}
 
@@ -104,6 +104,22 @@ def test_attention_output_merges_its_heads_without_a_copy(level, device):
     q = torch.randn(2, 3, 5, 16, device=device)
     out = levels.build("attention", level, causal=True)(q, q, q)
     assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
+def test_level_4_attention_gradients_are_laid_out_as_their_operands(device):
+    """Level 4 writes the gradient of heads split off a fused projection tokens first, (batch, tokens, heads,
+    head_dim), so that unbind's backward stacks the three into the projection's layout at copy speed; and the
+    gradient of a contiguous operand contiguous, so that autograd keeps it as a leaf's ``.grad`` as it is."""
+    module = levels.build("attention", "triton", causal=True)
+    qkv = torch.randn(2, 7, 3, 4, 16, device=device, requires_grad=True)
+    q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
+    out = module(q, k, v)
+    for gradient in torch.autograd.grad(out, (q, k, v), torch.randn_like(out)):
+        assert gradient.transpose(1, 2).is_contiguous()
+    q, k, v = (torch.randn(2, 4, 7, 16, device=device, requires_grad=True) for _ in range(3))
+    module(q, k, v).backward(torch.randn(2, 4, 7, 16, device=device))
+    assert all(x.grad.is_contiguous() for x in (q, k, v))
 
 
 @pytest.mark.parametrize("level", ["native", "cuda"])

@@ -31,7 +31,7 @@ import torch
 
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import forward_launch, launch_attention_fwd
-from .attention_tiles import check_attention_shapes, empty_attention_output
+from .attention_tiles import check_attention_shapes, empty_attention_output, empty_gradient
 from .eager import EagerFunction
 from .launch import accumulator_dtype
 
@@ -84,7 +84,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, window, scale):
     check_attention_shapes("attention_backward", q, k, v, causal, window, like_q={"grad_out": grad_out, "out": out},
                            per_query={"lse": lse})
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_gradient(q), empty_gradient(k), empty_gradient(v)
 
 
 # --- what the levels call ------------------------------------------------------------------------------
@@ -96,7 +96,8 @@ class _AttentionEager(EagerFunction):
     @staticmethod
     def forward(ctx, q, k, v, causal, window, scale):
         # The heads of a fused projection are read where they lie; an odd view is copied once, here,
-        # and the copy saved, so the backward does not copy it again. The gradients come back contiguous.
+        # and the copy saved, so the backward does not copy it again. The gradients come back laid out as
+        # attention_tiles.gradient_stride says: the heads of a fused projection's, tokens first.
         q, k, v, forward = forward_launch(q, k, v, causal, window, scale)
         out, lse = forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -55,6 +55,8 @@ import triton.language as tl
 from .attention_tiles import (
     AttentionTile,
     check_attention_shapes,
+    empty_gradient,
+    gradient_stride,
     head_rows,
     head_strides,
     key_block_range,
@@ -64,6 +66,7 @@ from .attention_tiles import (
     padded_head_dim,
     query_block_of_program,
     readable,
+    row_strides,
     store_rows,
     wide_float_tile,
 )
@@ -186,21 +189,22 @@ def _attention_bwd_dkdv_inner(dk, dv, k, v, Q, DOut, LSE, Delta, q_row_stride, d
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
 def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, key_length, heads, group, window,
                                scale_high, scale_low, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_dkb,
+                               stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr,
                                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     # Key blocks fastest, in order: with a causal mask the first key blocks are seen by the most
-    # queries, so the longest programs start first. A program owns a block of one kv head. dk and dv
-    # are contiguous (the launcher allocates them so), k and v strided as they came.
+    # queries, so the longest programs start first. A program owns a block of one kv head. k and v are
+    # strided as they came, dk and dv as the launcher laid them out (attention_tiles.gradient_stride).
     key_blocks = tl.cdiv(key_length, BLOCK_N)
     first_key = tl.program_id(0) % key_blocks * BLOCK_N
     kv_head = (tl.program_id(0) // key_blocks).to(tl.int64)
     K, stride_kn = head_rows(K, kv_head, heads // group, stride_kb, stride_kh, stride_kn)
     V, stride_vn = head_rows(V, kv_head, heads // group, stride_vb, stride_vh, stride_vn)
-    DK += kv_head * key_length * HEAD_DIM
-    DV += kv_head * key_length * HEAD_DIM
+    DK, stride_dkn = head_rows(DK, kv_head, heads // group, stride_dkb, stride_dkh, stride_dkn)
+    DV, stride_dvn = head_rows(DV, kv_head, heads // group, stride_dvb, stride_dvh, stride_dvn)
 
     keys = first_key + tl.arange(0, BLOCK_N)
     k = load_rows(K, keys, key_length, stride_kn, HEAD_DIM, BLOCK_D, True)
@@ -229,8 +233,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
         dk, dv = _attention_bwd_dkdv_inner(dk, dv, k, v, Qh, DOuth, LSEh, Deltah, q_row, do_row, keys,
                                            full_hi, hi, query_length, key_length, window, scale * LOG2E, HEAD_DIM,
                                            BLOCK_D, BLOCK_M, True, CAUSAL, WINDOWED, DOT_PRECISION)
-    store_rows(DK, keys, key_length, HEAD_DIM, dk * scale, HEAD_DIM, BLOCK_D)
-    store_rows(DV, keys, key_length, HEAD_DIM, dv, HEAD_DIM, BLOCK_D)
+    store_rows(DK, keys, key_length, stride_dkn, dk * scale, HEAD_DIM, BLOCK_D)
+    store_rows(DV, keys, key_length, stride_dvn, dv, HEAD_DIM, BLOCK_D)
 
 
 # --- dq: a program per query block --------------------------------------------------------------------
@@ -260,7 +264,8 @@ def _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, k_row_stride, v_row_st
 @triton.jit(do_not_specialize=["query_length", "key_length", "window"])
 def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_length, heads, group, window,
                              scale_high, scale_low, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_dqb,
+                             stride_dqh, stride_dqm,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr,
                              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, COMPUTE: tl.constexpr,
@@ -268,7 +273,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
     first_query, batch_head = query_block_of_program(query_length, BLOCK_M)  # the forward's grid and order
     Q, stride_qm = head_rows(Q, batch_head, heads, stride_qb, stride_qh, stride_qm)
     DOut, stride_dom = head_rows(DOut, batch_head, heads, stride_dob, stride_doh, stride_dom)
-    DQ += batch_head * query_length * HEAD_DIM  # contiguous, as the launcher allocates it
+    DQ, stride_dqm = head_rows(DQ, batch_head, heads, stride_dqb, stride_dqh, stride_dqm)
     LSE += batch_head * query_length
     Delta += batch_head * query_length
     kv_head = batch_head // group  # the kv head of this query head's group
@@ -294,7 +299,7 @@ def _attention_bwd_dq_kernel(Q, K, V, DOut, LSE, Delta, DQ, query_length, key_le
     dq = _attention_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_vn, queries, full_hi, hi, query_length,
                                  key_length, window, scale * LOG2E, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
                                  WINDOWED, DOT_PRECISION)
-    store_rows(DQ, queries, query_length, HEAD_DIM, dq * scale, HEAD_DIM, BLOCK_D)
+    store_rows(DQ, queries, query_length, stride_dqm, dq * scale, HEAD_DIM, BLOCK_D)
 
 
 # --- launcher ------------------------------------------------------------------------------------------
@@ -322,6 +327,8 @@ class BackwardLaunch(NamedTuple):
     query_grid: tuple[int] | None  # None: every query sees exactly one key, and no gradient reaches q or k
     query_constants: dict
     scalars: tuple  # the dk, dv and dq kernels' arguments after their tensors
+    key_gradient_strides: tuple  # then the dk, dv kernel's: the (batch, head, row) strides of dk and dv
+    query_gradient_strides: tuple  # and the dq kernel's: those of dq
 
 
 _BACKWARD_LAUNCHES = SignatureTable()
@@ -351,7 +358,14 @@ def _plan_backward(grad_out, q, k, v, out, causal, window, scale) -> BackwardLau
         query_constants=dict(BLOCK_M=query_tile.block_m, BLOCK_N=query_tile.block_n,
                              num_warps=query_tile.num_warps, num_stages=query_tile.num_stages, **shared),
         scalars=(query_length, key_length, heads, heads // kv_heads, window, *split_float(scale),
-                 *head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides))
+                 *head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides),
+        key_gradient_strides=(*_gradient_head_strides(k), *_gradient_head_strides(v)),
+        query_gradient_strides=_gradient_head_strides(q))
+
+
+def _gradient_head_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The (batch, head, row) strides of ``t``'s gradient as ``empty_gradient`` lays it out."""
+    return row_strides(t.shape, gradient_stride(t.shape, t.stride()))
 
 
 def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -360,21 +374,21 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
     q, k, v and out readable, as the forward saved them; grad_out, autograd's, may be any view. Its
     launches are planned once per signature (``BackwardLaunch``)."""
     if q.numel() == 0 or k.numel() == 0:  # no queries, or no keys: nothing flows back
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return empty_gradient(q).zero_(), empty_gradient(k).zero_(), empty_gradient(v).zero_()
     grad_out = readable(grad_out)
     signature = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
                  causal, window, scale)
     planned = _BACKWARD_LAUNCHES.get(signature) or _BACKWARD_LAUNCHES.keep(
         signature, _plan_backward(grad_out, q, k, v, out, causal, window, scale))
-    grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+    grad_q, grad_k, grad_v = empty_gradient(q), empty_gradient(k), empty_gradient(v)
     delta = torch.empty_like(lse)
     with on_device(q):
         launch(_attention_bwd_delta_kernel, planned.delta_grid, out, grad_out, delta, *planned.delta_scalars,
                **planned.delta_constants)
         launch(_attention_bwd_dkdv_kernel, planned.key_grid, q, k, v, grad_out, lse, delta, grad_k, grad_v,
-               *planned.scalars, **planned.key_constants)
+               *planned.scalars, *planned.key_gradient_strides, **planned.key_constants)
         if planned.query_grid is None:
             return grad_q.zero_(), grad_k.zero_(), grad_v
         launch(_attention_bwd_dq_kernel, planned.query_grid, q, k, v, grad_out, lse, delta, grad_q, *planned.scalars,
-               **planned.query_constants)
+               *planned.query_gradient_strides, **planned.query_constants)
     return grad_q, grad_k, grad_v
