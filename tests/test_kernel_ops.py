@@ -256,7 +256,8 @@ def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, 
                       "gelu_backward": torch.randn_like(out)}.get(epilogue)
     wanted = {"none": product, "accumulate": product + out.double()}.get(epilogue)
     if epilogue.startswith("gelu"):
-        gelu, derivative = _gelu_tanh_and_derivative(pre_activation.double() if epilogue == "gelu_backward" else product)
+        h = pre_activation.double() if epilogue == "gelu_backward" else product
+        gelu, derivative = _gelu_tanh_and_derivative(h)
         wanted = product * derivative if epilogue == "gelu_backward" else gelu
     matmul.launch_matmul(a, b, epilogue, bias=bias, pre_activation=pre_activation, out=out)
     assert relative_max_error(out.double(), wanted) <= TOLERANCE[dtype]
