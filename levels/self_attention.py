@@ -163,7 +163,9 @@ class SelfAttentionSpec(ComponentSpec):
         # the heads are transposed, so that autograd's way back is one pass: unbind's backward stacks the
         # three gradients straight into qkv's (batch, tokens, 3, heads, head_dim) layout, and the view's is
         # free. Transposed first (one permute, then unbind), the stack would come out heads-first and the
-        # view's backward would copy all of it once more (at GPT-2 size, 38 MB a layer).
+        # view's backward would copy all of it once more (at GPT-2 size, 38 MB a layer). How fast the stack
+        # runs depends on how the three gradients lie: level 4's attention writes them tokens first, as the
+        # projection holds them, so the stack copies whole rows (attention_tiles.gradient_stride; lesson 06).
         q, k, v = (part.transpose(1, 2) for part in qkv.view(batch, tokens, 3, self.n_head, self.head_dim).unbind(2))
         heads = attention(q, k, v) if cache is None else cache.attend(q, k, v, attention)
         merged = heads.transpose(1, 2).reshape(batch, tokens, width)
