@@ -248,7 +248,7 @@ def test_the_level_4_tma_matmul_matches_float64(b_transposed, epilogue, device, 
     a = torch.randn(rows, depth, dtype=dtype, device=device)
     b = (torch.randn(columns, depth, dtype=dtype, device=device).t() if b_transposed
          else torch.randn(depth, columns, dtype=dtype, device=device))
-    assert matmul._tma_operands(a, b, None, epilogue, None) == (b_transposed, depth, b.stride(1 if b_transposed else 0))
+    assert matmul._tma_operands(a, b, None, None) == (b_transposed, depth, b.stride(1 if b_transposed else 0))
     bias = torch.randn(columns, dtype=dtype, device=device) if b_transposed or epilogue == "none" else None
     out = torch.randn(rows, columns, dtype=dtype, device=device)
     product = a.double() @ b.double() + (bias.double() if bias is not None else 0)
@@ -273,14 +273,16 @@ def test_the_level_4_matmuls_that_stay_on_the_pointer_kernel():
     device = "cpu" if matmul.interpreter_is_on() else "cuda"
     a, b = torch.randn(64, 32, device=device), torch.randn(32, 48, device=device)
     # (On a GPU this float32 matmul would take the pointer kernel anyway: the TMA kernel is for 16-bit ones.)
-    assert matmul._tma_operands(a, b, None, "none", None) is not None or device == "cuda"
-    assert matmul._tma_operands(a.t().contiguous().t(), b, None, "none", None) is None
-    assert matmul._tma_operands(a, b, None, "none", torch.empty(64, device=device)) is None
-    for epilogue in ("gelu", "gelu_saving_pre_activation", "gelu_backward"):
-        assert matmul._tma_operands(a, b, None, epilogue, None) is not None or device == "cuda"
-    assert matmul._tma_operands(torch.randn(64, 33, device=device)[:, :32], b, None, "none", None) is None
-    assert matmul._tma_operands(torch.randn(64, 0, device=device), torch.randn(0, 48, device=device), None, "none",
-                                None) is None  # an empty K: a descriptor has no zero-sized dim
+    assert matmul._tma_operands(a, b, None, None) is not None or device == "cuda"
+    assert matmul._tma_operands(a.t().contiguous().t(), b, None, None) is None
+    assert matmul._tma_operands(a, b, None, torch.empty(64, device=device)) is None
+    assert matmul._tma_operands(torch.randn(64, 33, device=device)[:, :32], b, None, None) is None
+    empty_k = torch.randn(64, 0, device=device), torch.randn(0, 48, device=device)
+    assert matmul._tma_operands(*empty_k, None, None) is None  # an empty K: a descriptor has no zero-sized dim
+    if device == "cpu":  # the routing as launched: the GELU epilogues take the TMA kernel too
+        out, pre_activation = torch.empty(64, 48), torch.randn(64, 48)
+        for epilogue in ("gelu", "gelu_saving_pre_activation", "gelu_backward"):
+            assert matmul.plan_matmul(a, b, out, epilogue, pre_activation=pre_activation).tma
 
 
 class _HopperMatrixStandIn:
@@ -313,7 +315,7 @@ def test_every_large_matmul_leaves_its_autotuner_a_tile_to_time(rows, monkeypatc
     matmul = importlib.import_module("triton_kernels.matmul")
     monkeypatch.setattr(matmul, "interpreter_is_on", lambda: False)
     monkeypatch.setattr(matmul, "_has_tma", lambda device_index: True)
-    tma = matmul._tma_operands(_HopperMatrixStandIn(rows, 768), _HopperMatrixStandIn(768, 50304), None, "none", None)
+    tma = matmul._tma_operands(_HopperMatrixStandIn(rows, 768), _HopperMatrixStandIn(768, 50304), None, None)
     assert (tma is not None) == (rows > 64)
     autotuned = matmul._matmul_tma_autotuned if tma is not None else matmul._matmul_autotuned
     assert matmul._tiles_worth_timing(autotuned.configs, {"M": rows, "N": 50304})

@@ -97,7 +97,7 @@ class _AttentionEager(EagerFunction):
     def forward(ctx, q, k, v, causal, window, scale):
         # The heads of a fused projection are read where they lie; an odd view is copied once, here,
         # and the copy saved, so the backward does not copy it again. The gradients come back laid out as
-        # attention_tiles.gradient_stride says: the heads of a fused projection's, tokens first.
+        # attention_tiles.empty_gradient says: the heads of a fused projection's, tokens first.
         q, k, v, forward = forward_launch(q, k, v, causal, window, scale)
         out, lse = forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -56,7 +56,6 @@ from .attention_tiles import (
     AttentionTile,
     check_attention_shapes,
     empty_gradient,
-    gradient_stride,
     head_rows,
     head_strides,
     key_block_range,
@@ -66,7 +65,6 @@ from .attention_tiles import (
     padded_head_dim,
     query_block_of_program,
     readable,
-    row_strides,
     store_rows,
     wide_float_tile,
 )
@@ -197,7 +195,7 @@ def _attention_bwd_dkdv_kernel(Q, K, V, DOut, LSE, Delta, DK, DV, query_length, 
                                DOT_PRECISION: tl.constexpr):
     # Key blocks fastest, in order: with a causal mask the first key blocks are seen by the most
     # queries, so the longest programs start first. A program owns a block of one kv head. k and v are
-    # strided as they came, dk and dv as the launcher laid them out (attention_tiles.gradient_stride).
+    # strided as they came, dk and dv as the launcher laid them out (attention_tiles.empty_gradient).
     key_blocks = tl.cdiv(key_length, BLOCK_N)
     first_key = tl.program_id(0) % key_blocks * BLOCK_N
     kv_head = (tl.program_id(0) // key_blocks).to(tl.int64)
@@ -334,7 +332,7 @@ class BackwardLaunch(NamedTuple):
 _BACKWARD_LAUNCHES = SignatureTable()
 
 
-def _plan_backward(grad_out, q, k, v, out, causal, window, scale) -> BackwardLaunch:
+def _plan_backward(grad_out, q, k, v, out, grad_q, grad_k, grad_v, causal, window, scale) -> BackwardLaunch:
     batch, heads, query_length, head_dim = q.shape
     kv_heads, key_length = k.shape[1], k.shape[2]
     block_d = padded_head_dim(head_dim)
@@ -359,13 +357,8 @@ def _plan_backward(grad_out, q, k, v, out, causal, window, scale) -> BackwardLau
                              num_warps=query_tile.num_warps, num_stages=query_tile.num_stages, **shared),
         scalars=(query_length, key_length, heads, heads // kv_heads, window, *split_float(scale),
                  *head_strides(q), *head_strides(k), *head_strides(v), *grad_out_strides),
-        key_gradient_strides=(*_gradient_head_strides(k), *_gradient_head_strides(v)),
-        query_gradient_strides=_gradient_head_strides(q))
-
-
-def _gradient_head_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """The (batch, head, row) strides of ``t``'s gradient as ``empty_gradient`` lays it out."""
-    return row_strides(t.shape, gradient_stride(t.shape, t.stride()))
+        key_gradient_strides=(*head_strides(grad_k), *head_strides(grad_v)),
+        query_gradient_strides=head_strides(grad_q))
 
 
 def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -378,9 +371,10 @@ def launch_attention_bwd_unchecked(grad_out: torch.Tensor, q: torch.Tensor, k: t
     grad_out = readable(grad_out)
     signature = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
                  causal, window, scale)
-    planned = _BACKWARD_LAUNCHES.get(signature) or _BACKWARD_LAUNCHES.keep(
-        signature, _plan_backward(grad_out, q, k, v, out, causal, window, scale))
+    # Laid out by q's, k's and v's strides, which the signature holds: its plan holds the gradients' strides.
     grad_q, grad_k, grad_v = empty_gradient(q), empty_gradient(k), empty_gradient(v)
+    planned = _BACKWARD_LAUNCHES.get(signature) or _BACKWARD_LAUNCHES.keep(
+        signature, _plan_backward(grad_out, q, k, v, out, grad_q, grad_k, grad_v, causal, window, scale))
     delta = torch.empty_like(lse)
     with on_device(q):
         launch(_attention_bwd_delta_kernel, planned.delta_grid, out, grad_out, delta, *planned.delta_scalars,

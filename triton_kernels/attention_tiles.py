@@ -170,27 +170,21 @@ def empty_attention_output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty_strided(q.shape, attention_output_stride(q.shape))
 
 
-def gradient_stride(size: Sequence[int], stride: Sequence[int]) -> tuple[int, int, int, int]:
-    """The strides of the gradient of an operand of this size and stride: tokens first (as
-    ``attention_output_stride``) where the operand's rows lie farther apart than its heads, as the heads of
-    a fused q·k·v projection do, else contiguous (B, H, L, D).
+def empty_gradient(t: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``t`` before its kernel writes it, laid out as ``t`` lies: tokens first (as
+    ``empty_attention_output``) where t's rows lie farther apart than its heads, as the heads of a fused
+    q·k·v projection do, else contiguous.
 
     Why it matters: self-attention takes q, k and v apart from its (batch, tokens, 3, heads, head_dim)
     projection with ``unbind``, whose backward stacks the three gradients back into that layout. From
-    gradients laid out heads first, that stack gathers every 128-byte row of a head from its own place
-    (78 µs at GPT-2's (8, 1024, 768) in bfloat16 on an H200); from gradients laid out tokens first, each
-    token's heads·head_dim values are one contiguous run, and the stack runs at copy speed (25 µs). An
-    operand laid out heads first gets its gradient the same way, so that autograd accumulates it into
-    a leaf's ``.grad`` without a copy."""
-    extent = [max(size_, 1) for size_ in size]
+    gradients laid out heads first, that stack gathers every row of a head from its own place; from
+    gradients laid out tokens first, each token's heads·head_dim values are one contiguous run, and the stack
+    runs at copy speed (measured: profiling/results/h200/README.md, session of 2026-11-30, thirteenth). A
+    contiguous t gets a contiguous gradient, so that autograd keeps it as a leaf's ``.grad`` without a copy."""
+    size, stride = t.shape, t.stride()
     if size[1] > 1 and size[2] > 1 and stride[1] < stride[2]:
-        return attention_output_stride(size)
-    return (extent[1] * extent[2] * extent[3], extent[2] * extent[3], extent[3], 1)
-
-
-def empty_gradient(t: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``t`` before its kernel writes it, laid out as ``gradient_stride`` says."""
-    return t.new_empty_strided(t.shape, gradient_stride(t.shape, t.stride()))
+        return empty_attention_output(t)
+    return t.new_empty(size)
 
 
 # --- what every attention kernel shares: programs, loads, the mask and the blocks it leaves ------------

@@ -221,10 +221,8 @@ def _tiles_worth_timing(configs, named_args, **kwargs):
 # negative h), where 1 + tanh(u) would lose digits.
 # Fast form (16-bit outputs on the GPU, FAST_TANH): tanh.approx.f32, one instruction of the SM's special
 # function unit, where the exact form's exponential and division take a dozen. Its error (about 2^-11 relative,
-# as the PTX ISA gives it) sits below float16's and bfloat16's rounding of the stored result (the probe below
-# measured 2.8e-3 against float64 with either form: bfloat16's rounding), and the tile's epilogue is where a
-# matmul's tensor cores wait: measured on an H200 (bfloat16, GPT-2 small's feed-forward at 8192 tokens, TMA
-# kernel), x·W_fcᵀ with GELU saving h took 86.7 µs against 102.4, grad_y·W_proj with gelu' 98.9 against 132.6.
+# as the PTX ISA gives it) sits below float16's and bfloat16's rounding of the stored result, and the tile's
+# epilogue is where a matmul's tensor cores wait (both measured: profiling/results/h200/gelu-epilogues.md).
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 GELU_CUBIC = tl.constexpr(0.044715)
@@ -447,7 +445,7 @@ class _TmaOperands(NamedTuple):
     stride_b: int
 
 
-def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None, epilogue: str,
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None,
                   row_sums: torch.Tensor | None) -> _TmaOperands | None:
     """How ``_matmul_tma_kernel`` reads A and B where it runs, else None (``_matmul_kernel`` does). It
     runs a large (autotuned, ``tile`` None) 16-bit matmul on a Hopper GPU, and under the interpreter any
@@ -561,7 +559,7 @@ def plan_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, epilogue: s
     yet to choose a tile for them (``launch_matmul``'s first call with their key asks it)."""
     (M, K), N = a.shape, b.shape[1]
     tile = _tile_choice(a.dtype, M, N, K)
-    tma = _tma_operands(a, b, tile, epilogue, row_sums)
+    tma = _tma_operands(a, b, tile, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
     if tile is None:
@@ -617,7 +615,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, epilogue: str = Epilogue.NON
         return planned(a, b, out, bias, pre_activation, row_sums)
     # The key's first call: the autotuner times the candidates, launches the best and is asked no more.
     flags = (bias is not None, pre_activation is not None, row_sums is not None)
-    tma = _tma_operands(a, b, None, epilogue, row_sums)
+    tma = _tma_operands(a, b, None, row_sums)
     b_transposed = None if tma is None else tma.b_transposed
     autotuned = _matmul_autotuned if tma is None else _matmul_tma_autotuned
     MatmulLaunch(autotuned, lambda meta: _grid(a, M, N, meta["BLOCK_M"], meta["BLOCK_N"], tma is not None),
