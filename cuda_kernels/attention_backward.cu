@@ -33,8 +33,9 @@
 //   q, k, v, out and dout are read where they lie (kernels.h, HeadStrides): q, k, v are usually heads
 //   of the fused q·k·v projection, out and dout rows of (batch, tokens, heads, head_dim). Only each
 //   row's head_dim values are contiguous; every kernel finds its heads' first rows once and steps from
-//   row to row by the row strides. What the backward writes (grad_q, grad_k, grad_v) and its scratch
-//   (delta, the float32 dq sum) are contiguous.
+//   row to row by the row strides. The gradients are written as their operands lie (tokens first for
+//   the heads of a fused projection: attention_ops.cpp, empty_gradient); the scratch (delta, the float32
+//   dq sum) is contiguous.
 //
 // The one idea that makes it fast
 //   Recompute instead of store: P would be seq x seq; S costs one more q k^T on the tensor cores,
@@ -248,10 +249,14 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   stage_accumulators<T, kColumns, kPitch>(k_rows + column0, dk, static_cast<float>(shape.scale));
   stage_accumulators<T, kColumns, kPitch>(v_rows + column0, dv, 1.0f);
   __syncthreads();  // the column parts of a row come from different warps
-  // grad_k and grad_v are contiguous: rows d apart.
-  if (column_part == 0) copy_rows_to_global<16, kD>(grad_k + kv * lk * d, d, k_rows, j0 + key_warp * 16, lk, d);
+  const int64_t kv_heads = shape.heads / shape.group;
+  if (column_part == 0) {
+    copy_rows_to_global<16, kD>(grad_k + shape.grad_k.of_head(kv, kv_heads), shape.grad_k.row, k_rows,
+                                j0 + key_warp * 16, lk, d);
+  }
   if (column_part == Warps::kColumnParts - 1) {
-    copy_rows_to_global<16, kD>(grad_v + kv * lk * d, d, v_rows, j0 + key_warp * 16, lk, d);
+    copy_rows_to_global<16, kD>(grad_v + shape.grad_v.of_head(kv, kv_heads), shape.grad_v.row, v_rows,
+                                j0 + key_warp * 16, lk, d);
   }
 }
 
@@ -297,7 +302,7 @@ void launch_attention_backward(DType dtype, const AttentionShape& shape, const v
         kernel<<<blocks, BackwardWarps<kD>::kWarps * kWarpSize, kBytes, s>>>(
             shape, dy, q_, k_, v_, static_cast<const float*>(lse), delta, dq_accumulator, static_cast<T*>(grad_k),
             static_cast<T*>(grad_v));
-        launch_attention_backward_dq<T>(dq_accumulator, static_cast<T*>(grad_q), rows * d, shape.scale, s);
+        launch_attention_backward_dq<T, kD>(shape, dq_accumulator, static_cast<T*>(grad_q), s);
       } else {
         using Rows = SimtRows<kD>;
         const T* lse_ = static_cast<const T*>(lse);

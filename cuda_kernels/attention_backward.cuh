@@ -13,10 +13,11 @@ namespace kernel_ladder {
 
 // --- delta = rowsum(dout * out) ------------------------------------------------------------------
 
-// A row of d <= kD values is d / kVec 16-byte packs, read by a power of two of threads, up to 16 (each
-// summing the rest).
+// delta's and grad_q's kernels take one row of head_dim values (a query's) per thread group: a row of
+// d <= kD values is d / kVec 16-byte packs of T, read by a power of two of threads, up to 16 (each taking
+// the rest).
 template <typename T, int kD>
-struct DeltaRows {
+struct QueryRows {
   static constexpr int kPacks = kD / kVecOf<T>;
   static constexpr int kThreadsPerRow = kPacks >= 16 ? 16 : kPacks >= 8 ? 8 : kPacks >= 4 ? 4 : kPacks >= 2 ? 2 : 1;
   static constexpr int kThreads = 256;
@@ -26,10 +27,10 @@ struct DeltaRows {
 // delta[bh * query_length + i] = dot(row i of grad_out's head bh, row i of out's head bh), the rows
 // read where they lie (shape.grad_out, shape.out: strides of 16-byte multiples, so the packs stay aligned).
 template <typename T, int kD>
-__global__ void __launch_bounds__(DeltaRows<T, kD>::kThreads)
+__global__ void __launch_bounds__(QueryRows<T, kD>::kThreads)
 attention_backward_delta_kernel(AttentionShape shape, const T* __restrict__ grad_out, const T* __restrict__ out,
                                 Acc<T>* __restrict__ delta) {
-  using Rows = DeltaRows<T, kD>;
+  using Rows = QueryRows<T, kD>;
   constexpr int kVec = kVecOf<T>;
   const int64_t lq = shape.query_length, rows = shape.batch_heads * lq;
   const int d = static_cast<int>(shape.head_dim);
@@ -108,17 +109,35 @@ __device__ __forceinline__ void add_to_dq(float* dq_accumulator, const float (&c
 
 // --- grad_q ------------------------------------------------------------------------------------
 
-// grad_q = scale * dq_accumulator, rounded to T; 4 values per thread (numel is a multiple of 8).
-template <typename T>
-__global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumulator, T* __restrict__ grad_q,
-                                             int64_t numel, float scale) {
-  const int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * 4;
-  if (i >= numel) return;
-  const Pack<float, 4> sum = load_pack_once<float, 4>(dq_accumulator + i);
-  Pack<T, 4> rounded;
+// grad_q = scale * dq_accumulator (contiguous, row bh * query_length + i), rounded to T and written
+// where grad_q's rows lie (shape.grad_q: tokens first for the heads of a fused projection, so that
+// unbind's backward stacks whole rows). The rows are delta's, found the same way; T is 16-bit, so a pack
+// of 8 values is 16 bytes out and two 16-byte loads in.
+template <typename T, int kD>
+__global__ void __launch_bounds__(QueryRows<T, kD>::kThreads)
+attention_backward_dq_kernel(AttentionShape shape, const float* __restrict__ dq_accumulator, T* __restrict__ grad_q) {
+  using Rows = QueryRows<T, kD>;
+  constexpr int kVec = kVecOf<T>;
+  const int64_t lq = shape.query_length;
+  const int d = static_cast<int>(shape.head_dim);
+  const int64_t row = int64_t{blockIdx.x} * Rows::kRowsPerBlock + threadIdx.x / Rows::kThreadsPerRow;
+  if (row >= shape.batch_heads * lq) return;
+  const int64_t bh = row / lq, i = row % lq;
+  const float* sums = dq_accumulator + row * d;
+  T* grad_row = grad_q + shape.grad_q.of_head(bh, shape.heads) + i * shape.grad_q.row;
+  const float scale = static_cast<float>(shape.scale);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) rounded.val[j] = from_acc<T>(sum.val[j] * scale);
-  store_pack<T, 4>(grad_q + i, rounded);
+  for (int pack = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow; pack < d / kVec;
+       pack += Rows::kThreadsPerRow) {
+    Pack<T, kVec> rounded;
+#pragma unroll
+    for (int quarter = 0; quarter < kVec / 4; ++quarter) {
+      const Pack<float, 4> sum = load_pack_once<float, 4>(sums + pack * kVec + quarter * 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) rounded.val[quarter * 4 + j] = from_acc<T>(sum.val[j] * scale);
+    }
+    store_pack<T, kVec>(grad_row + pack * kVec, rounded);
+  }
 }
 
 // delta (batch_heads * query_length values, contiguous; row bh * query_length + i for query i of head bh)
@@ -126,19 +145,20 @@ __global__ void attention_backward_dq_kernel(const float* __restrict__ dq_accumu
 template <typename T, int kD>
 void launch_attention_backward_delta(const AttentionShape& shape, const T* grad_out, const T* out, Acc<T>* delta,
                                      cudaStream_t stream) {
-  using Rows = DeltaRows<T, kD>;
+  using Rows = QueryRows<T, kD>;
   const int64_t rows = shape.batch_heads * shape.query_length;
   attention_backward_delta_kernel<T, kD><<<static_cast<unsigned>(ceil_div(rows, Rows::kRowsPerBlock)), Rows::kThreads,
                                            0, stream>>>(shape, grad_out, out, delta);
 }
 
-// grad_q (numel values) = scale * dq_accumulator.
-template <typename T>
-void launch_attention_backward_dq(const float* dq_accumulator, T* grad_q, int64_t numel, double scale,
+// grad_q = scale * dq_accumulator, laid out as shape.grad_q says.
+template <typename T, int kD>
+void launch_attention_backward_dq(const AttentionShape& shape, const float* dq_accumulator, T* grad_q,
                                   cudaStream_t stream) {
-  constexpr int kThreads = 256;
-  attention_backward_dq_kernel<T><<<static_cast<unsigned>(ceil_div(numel, 4 * kThreads)), kThreads, 0, stream>>>(
-      dq_accumulator, grad_q, numel, static_cast<float>(scale));
+  using Rows = QueryRows<T, kD>;
+  const int64_t rows = shape.batch_heads * shape.query_length;
+  attention_backward_dq_kernel<T, kD><<<static_cast<unsigned>(ceil_div(rows, Rows::kRowsPerBlock)), Rows::kThreads,
+                                        0, stream>>>(shape, dq_accumulator, grad_q);
 }
 
 }  // namespace kernel_ladder

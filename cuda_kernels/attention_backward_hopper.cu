@@ -39,8 +39,8 @@
 //
 // Limits
 //   float16 / bfloat16; head_dim a multiple of 8 up to 128 (tile width 64 for d <= 64, else 128); any
-//   lengths below 2^31; q, k, v, out, grad_out strided as kernels.h's HeadStrides allow, every stride a
-//   multiple of 16 bytes (attention_ops.cpp makes sure). Built only when nvcc targets sm_90a
+//   lengths below 2^31; q, k, v, out, grad_out and the gradients strided as kernels.h's HeadStrides
+//   allow, every stride a multiple of 16 bytes (attention_ops.cpp makes sure). Built only when nvcc targets sm_90a
 //   (cuda_kernels/ops.py adds it, and -DKERNEL_LADDER_SM90A, when it sees an H100-class GPU); runs only on
 //   compute capability 9.0. dq is summed in a nondeterministic order (atomics); dk and dv are not.
 //
@@ -310,9 +310,8 @@ __device__ __forceinline__ void attend_backward(const AttentionProblem& shape, c
   fence_shared_for_tma();
   named_barrier_sync(kFirstStoreBarrier + consumer, kWarpgroupThreads);
   if (threadIdx.x % kWarpgroupThreads == 0 && keys0 < shape.key_length) {
-    const TileHead kv{static_cast<int>(block.kv), 0};  // grad_k and grad_v: one batch of every kv head
-    tma_store_tile<Layout::kBoxes>(dk_map, k_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), kv);
-    tma_store_tile<Layout::kBoxes>(dv_map, v_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), kv);
+    tma_store_tile<Layout::kBoxes>(dk_map, k_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), block.kv_head);
+    tma_store_tile<Layout::kBoxes>(dv_map, v_rows, Layout::kKeyBoxBytes, static_cast<int>(keys0), block.kv_head);
     tma_store_wait_for_reads();
   }
 }
@@ -394,7 +393,7 @@ void launch_hopper_backward(const AttentionShape& shape, const CUtensorMap (&map
   const AttentionProblem& problem = shape;  // the kernel takes no strides: its maps hold them (kernels.h)
   kernel<<<blocks, kBackwardThreads, kBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], problem,
                                                        static_cast<const float*>(lse), delta, dq_accumulator);
-  launch_attention_backward_dq<T>(dq_accumulator, static_cast<T*>(grad_q), rows * d, shape.scale, stream);
+  launch_attention_backward_dq<T, kD>(shape, dq_accumulator, static_cast<T*>(grad_q), stream);
 }
 
 }  // namespace
@@ -407,15 +406,14 @@ bool launch_attention_backward_hopper(DType dtype, const AttentionShape& shape, 
   // TMA's coordinates, the kernel's key indices and the grid are 32-bit.
   const bool fits = lq < INT_MAX && lk < INT_MAX && batch * kv_heads * ceil_div(lk, kBackwardKeys) < INT_MAX;
   if (!fits || !hopper_attention_applies(dtype, d, 128)) return false;
-  const HeadStrides key_grads = contiguous_head_strides(batch * kv_heads, lk, d);  // grad_k and grad_v
   CUtensorMap maps[6];  // q, k, v, dout, dk, dv
   if (!encode_swizzled_tensor_map(&maps[0], dtype, q, batch, shape.heads, lq, d, shape.q, kBackwardQueries) ||
       !encode_swizzled_tensor_map(&maps[1], dtype, k, batch, kv_heads, lk, d, shape.k, kBackwardKeys) ||
       !encode_swizzled_tensor_map(&maps[2], dtype, v, batch, kv_heads, lk, d, shape.v, kBackwardKeys) ||
       !encode_swizzled_tensor_map(&maps[3], dtype, grad_out, batch, shape.heads, lq, d, shape.grad_out,
                                   kBackwardQueries) ||
-      !encode_swizzled_tensor_map(&maps[4], dtype, grad_k, 1, batch * kv_heads, lk, d, key_grads, kConsumerKeys) ||
-      !encode_swizzled_tensor_map(&maps[5], dtype, grad_v, 1, batch * kv_heads, lk, d, key_grads, kConsumerKeys)) {
+      !encode_swizzled_tensor_map(&maps[4], dtype, grad_k, batch, kv_heads, lk, d, shape.grad_k, kConsumerKeys) ||
+      !encode_swizzled_tensor_map(&maps[5], dtype, grad_v, batch, kv_heads, lk, d, shape.grad_v, kConsumerKeys)) {
     return false;
   }
   const auto s = static_cast<cudaStream_t>(stream);

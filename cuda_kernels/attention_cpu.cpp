@@ -153,14 +153,15 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
     const T* dout_bh = dout + shape.grad_out.of_head(bh, heads);
     const T* k_bh = k + shape.k.of_head(bh / group, kv_heads);  // the kv head of this query head's group
     const T* v_bh = v + shape.v.of_head(bh / group, kv_heads);
-    std::fill(dq + (bh * lq + i0) * d, dq + (bh * lq + i1) * d, T(0));
+    T* dq_bh = dq + shape.grad_q.of_head(bh, heads);
+    for (int64_t i = i0; i < i1; ++i) std::fill_n(dq_bh + i * shape.grad_q.row, d, T(0));
     for (int64_t j0 = visible.first_key(i0) / kKeyTile * kKeyTile; j0 < visible.end_key(i1 - 1); j0 += kKeyTile) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = bh * lq + i;  // of the contiguous lse, delta and dq
+        const int64_t row = bh * lq + i;  // of the contiguous lse and delta
         const int64_t end = std::min(j0 + kKeyTile, visible.end_key(i));
         const T* q_row = q_bh + i * shape.q.row;
         const T* dout_row = dout_bh + i * shape.grad_out.row;
-        T* dq_row = dq + row * d;
+        T* dq_row = dq_bh + i * shape.grad_q.row;
         for (int64_t j = std::max(j0, visible.first_key(i)); j < end; ++j) {
           const T* k_row = k_bh + j * shape.k.row;
           const PairGradient<T> g =
@@ -180,15 +181,20 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
     const int64_t j1 = std::min(j0 + kKeyTile, lk);
     const T* k_kv = k + shape.k.of_head(kv, kv_heads);
     const T* v_kv = v + shape.v.of_head(kv, kv_heads);
-    std::fill(dk + (kv * lk + j0) * d, dk + (kv * lk + j1) * d, T(0));
-    std::fill(dv + (kv * lk + j0) * d, dv + (kv * lk + j1) * d, T(0));
+    T* dk_kv = dk + shape.grad_k.of_head(kv, kv_heads);
+    T* dv_kv = dv + shape.grad_v.of_head(kv, kv_heads);
+    for (int64_t j = j0; j < j1; ++j) {
+      std::fill_n(dk_kv + j * shape.grad_k.row, d, T(0));
+      std::fill_n(dv_kv + j * shape.grad_v.row, d, T(0));
+    }
     for (int64_t bh = kv * group; bh < (kv + 1) * group; ++bh) {
       const T* q_bh = q + shape.q.of_head(bh, heads);
       const T* dout_bh = dout + shape.grad_out.of_head(bh, heads);
       for (int64_t i0 = visible.first_query(j0) / kQueryTile * kQueryTile; i0 < visible.end_query(j1 - 1);
            i0 += kQueryTile) {
         for (int64_t j = j0; j < j1; ++j) {
-          const int64_t key = kv * lk + j;  // of the contiguous dk and dv
+          T* dk_row = dk_kv + j * shape.grad_k.row;
+          T* dv_row = dv_kv + j * shape.grad_v.row;
           const T* k_row = k_kv + j * shape.k.row;
           const T* v_row = v_kv + j * shape.v.row;
           const int64_t end = std::min(i0 + kQueryTile, visible.end_query(j));
@@ -197,8 +203,8 @@ void attention_backward(const AttentionShape& shape, const T* dout, const T* q, 
             const T* q_row = q_bh + i * shape.q.row;
             const T* dout_row = dout_bh + i * shape.grad_out.row;
             const PairGradient<T> g = pair_gradient(q_row, dout_row, k_row, v_row, lse[row], delta[row], scale, d);
-            axpy(dv + key * d, g.p, dout_row, d);
-            axpy(dk + key * d, g.ds * scale, q_row, d);
+            axpy(dv_row, g.p, dout_row, d);
+            axpy(dk_row, g.ds * scale, q_row, d);
           }
         }
       }

@@ -113,14 +113,36 @@ at::Tensor empty_attention_output(const at::Tensor& q) {
   return at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1), q.sym_size(3)}, q.options()).transpose(1, 2);
 }
 
-// grad_out and out are forward-only placeholders (the forward's strides) where absent.
+// The gradient of t before the backward writes it, laid out as t lies: tokens first (as
+// empty_attention_output) where t's rows lie farther apart than its heads, as the heads of a fused q·k·v
+// projection do, else contiguous. Why: self-attention takes q, k and v apart from its (batch, tokens, 3,
+// heads, head_dim) projection with unbind, whose backward stacks the three gradients back into that
+// layout. From heads-first gradients that stack gathers each head's rows from its own place; from
+// tokens-first ones each token's heads * head_dim values are one contiguous run, and the stack runs at
+// copy speed (profiling/results/h200/README.md, the GELU and gradient-layout probe). A contiguous t gets a
+// contiguous gradient, which autograd keeps as a leaf's .grad without a copy. (The rule reads only sizes
+// and strides, so the Meta kernel gives torch.compile the same layout.)
+at::Tensor empty_gradient(const at::Tensor& t) {
+  if (t.sym_size(1) > 1 && t.sym_size(2) > 1 && t.sym_stride(1) < t.sym_stride(2)) return empty_attention_output(t);
+  return at::empty_symint(t.sym_sizes(), t.options());
+}
+
+// The forward passes its output for grad_out and the gradients (placeholders it never reads).
 AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                               const at::Tensor& grad_out, bool causal, int64_t window, double scale) {
+                               const at::Tensor& grad_out, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                               const at::Tensor& grad_v, bool causal, int64_t window, double scale) {
   const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
   const AttentionProblem problem{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), group, causal, window, scale,
                                  q.size(1)};
-  return AttentionShape{problem, head_strides(q), head_strides(k), head_strides(v), head_strides(out),
-                        head_strides(grad_out)};
+  return AttentionShape{problem,
+                        head_strides(q),
+                        head_strides(k),
+                        head_strides(v),
+                        head_strides(out),
+                        head_strides(grad_out),
+                        head_strides(grad_q),
+                        head_strides(grad_k),
+                        head_strides(grad_v)};
 }
 
 TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
@@ -132,7 +154,7 @@ TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor lse = at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(statistics_dtype(q)));
   if (q.is_meta() || out.numel() == 0) return {out, lse};  // (no 0-block launch)
   const at::Tensor queries = readable(q), keys = readable(k), values = readable(v);
-  const AttentionShape shape = attention_shape(queries, keys, values, out, out, causal, window, scale);
+  const AttentionShape shape = attention_shape(queries, keys, values, out, out, out, out, out, causal, window, scale);
   run_on_device_of(
       queries,
       [&](void* stream) {
@@ -154,16 +176,15 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   check_argument(op, "grad_out", grad_out, q, q.scalar_type(), q.sym_sizes());
   check_argument(op, "out", out, q, q.scalar_type(), q.sym_sizes());
   check_argument(op, "lse", lse, q, statistics_dtype(q), q.sym_sizes().slice(0, 3));
-  at::Tensor grad_q = at::empty_symint(q.sym_sizes(), q.options());
-  at::Tensor grad_k = at::empty_symint(k.sym_sizes(), k.options());
-  at::Tensor grad_v = at::empty_symint(v.sym_sizes(), v.options());
+  at::Tensor grad_q = empty_gradient(q), grad_k = empty_gradient(k), grad_v = empty_gradient(v);
   if (q.is_meta()) return {grad_q, grad_k, grad_v};
   if (q.numel() == 0 || k.numel() == 0) {  // nothing to launch; keys no query sees get zero gradients
     return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
   }
   const at::Tensor dy = readable(grad_out), queries = readable(q), keys = readable(k), values = readable(v);
   const at::Tensor output = readable(out), log_sum_exp = lse.contiguous();
-  const AttentionShape shape = attention_shape(queries, keys, values, output, dy, causal, window, scale);
+  const AttentionShape shape =
+      attention_shape(queries, keys, values, output, dy, grad_q, grad_k, grad_v, causal, window, scale);
   run_on_device_of(
       queries,
       [&](void* stream) {

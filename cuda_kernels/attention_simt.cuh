@@ -188,7 +188,7 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
   const int64_t i1 = min(i0 + Rows::kRowsPerBlock, lq);
   const int64_t i = i0 + threadIdx.x / Rows::kThreadsPerRow;
   const int part = static_cast<int>(threadIdx.x) % Rows::kThreadsPerRow, d = static_cast<int>(shape.head_dim);
-  const int64_t row = bh * lq + i;  // of lse, delta and grad_q, which are contiguous
+  const int64_t row = bh * lq + i;  // of lse and delta, which are contiguous
   const int64_t kv = bh / shape.group;  // the kv head of this query head's group (of heads / group a batch)
   k += shape.k.of_head(kv, shape.heads / shape.group);
   v += shape.v.of_head(kv, shape.heads / shape.group);
@@ -211,7 +211,7 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
       add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
     }
   }
-  if (i < lq) store_row_part<kD>(grad_q + bh * lq * d, d, i, dq, scale, d, part);
+  if (i < lq) store_row_part<kD>(grad_q + shape.grad_q.of_head(bh, shape.heads), shape.grad_q.row, i, dq, scale, d, part);
 }
 
 // dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
@@ -264,8 +264,9 @@ attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__
     }
   }
   if (j < lk) {
-    store_row_part<kD>(grad_k + kv * lk * d, d, j, dk, scale, d, part);
-    store_row_part<kD>(grad_v + kv * lk * d, d, j, dv, T(1), d, part);
+    const int64_t kv_heads = shape.heads / shape.group;
+    store_row_part<kD>(grad_k + shape.grad_k.of_head(kv, kv_heads), shape.grad_k.row, j, dk, scale, d, part);
+    store_row_part<kD>(grad_v + shape.grad_v.of_head(kv, kv_heads), shape.grad_v.row, j, dv, T(1), d, part);
   }
 }
 

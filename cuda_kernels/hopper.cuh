@@ -519,11 +519,6 @@ inline bool encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The strides of a contiguous tensor of (heads, rows, head_dim), as one batch: the backward's grad_k and
-// grad_v, whose tiles the kernel addresses as head `kv` of batch 0 (no division on the way).
-inline HeadStrides contiguous_head_strides(int64_t heads, int64_t rows, int64_t head_dim) {
-  return HeadStrides{heads * rows * head_dim, rows * head_dim, head_dim};
-}
 
 // The sm_90a image runs on compute capability 9.0 only (H100, H200, GH200). Asked once per device: a
 // static array is zero ("not asked yet") before the first call.

@@ -55,17 +55,18 @@ struct AttentionProblem {
   int64_t heads;  // query heads per batch: batch_heads / heads is the batch
 };
 
-// The problem and where its operands lie. q, k, v, out and (backward) grad_out lie as their HeadStrides
-// say: row i of query head bh at q.of_head(bh, heads) + i * q.row, of kv head bh / group at
-// k.of_head(bh / group, heads / group) + i * k.row. On CUDA every stride is a multiple of 16 bytes (the
-// rows are copied in 16-byte pieces and by TMA). The rest is contiguous: lse (batch_heads, query_length),
-// and the backward's grad_q, grad_k and grad_v.
+// The problem and where its operands lie. q, k, v, out and, in the backward, grad_out and the gradients
+// grad_q, grad_k, grad_v lie as their HeadStrides say: row i of query head bh at q.of_head(bh, heads) +
+// i * q.row, of kv head bh / group at k.of_head(bh / group, heads / group) + i * k.row. On CUDA every
+// stride is a multiple of 16 bytes (the rows are copied in 16-byte pieces and by TMA). lse
+// (batch_heads, query_length) is contiguous. Each gradient lies as its operand does (attention_ops.cpp,
+// empty_gradient): tokens first for the heads of a fused projection, else contiguous.
 //
-// The Hopper kernels take the AttentionProblem alone (their TMA maps hold the strides): with the 15
-// strides in their by-value parameter, nvcc kept one copy of the backward's softmax code where it had kept
-// two, and the backward ran 8.5 % slower on an H100 (GPT-2's attention, bf16).
+// The Hopper kernels take the AttentionProblem alone (their TMA maps hold the strides): with the then
+// 15 strides in their by-value parameter, nvcc kept one copy of the backward's softmax code where it had
+// kept two, and the backward ran 8.5 % slower on an H100 (GPT-2's attention, bf16).
 struct AttentionShape : AttentionProblem {
-  HeadStrides q, k, v, out, grad_out;
+  HeadStrides q, k, v, out, grad_out, grad_q, grad_k, grad_v;
 };
 
 // One decode-attention call (attention_decode.cu): q (batch, heads, 1, head_dim), rows of head_dim

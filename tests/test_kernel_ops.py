@@ -13,7 +13,7 @@ from levels.backends import cuda_backend, triton_backend
 
 from levels.spec import TOLERANCE, relative_max_error
 
-from .conftest import device_dtype_params, device_param, kernel_level_device_params, level_devices
+from .conftest import device_dtype_params, kernel_level_device_params
 
 NAMESPACES = {"triton": ("triton_kernels", triton_backend), "cuda": ("cuda_kernels", cuda_backend)}
 
@@ -106,19 +106,23 @@ def test_attention_output_merges_its_heads_without_a_copy(level, device):
     assert out.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
-def test_level_4_attention_gradients_are_laid_out_as_their_operands(device):
-    """Level 4 writes the gradient of heads split off a fused projection tokens first, (batch, tokens, heads,
-    head_dim), so that unbind's backward stacks the three into the projection's layout at copy speed; and the
-    gradient of a contiguous operand contiguous, so that autograd keeps it as a leaf's ``.grad`` as it is."""
-    module = levels.build("attention", "triton", causal=True)
-    qkv = torch.randn(2, 7, 3, 4, 16, device=device, requires_grad=True)
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_gradients_are_laid_out_as_their_operands(level, device, dtype):
+    """Levels 4 and 5 write the gradient of heads split off a fused projection tokens first, (batch, tokens,
+    heads, head_dim), so that unbind's backward stacks the three into the projection's layout at copy
+    speed; and the gradient of a contiguous operand contiguous, so that autograd keeps it as a leaf's
+    ``.grad`` as it is. (On a GPU, bfloat16 takes the tensor-core kernels, float32 the SIMT ones.)"""
+    if dtype not in levels.LEVEL_DTYPES[level][device]:
+        pytest.skip(f"level {level} computes no {dtype} on {device}")
+    module = levels.build("attention", level, causal=True)
+    qkv = torch.randn(2, 7, 3, 4, 64, dtype=dtype, device=device, requires_grad=True)
     q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
     out = module(q, k, v)
     for gradient in torch.autograd.grad(out, (q, k, v), torch.randn_like(out)):
         assert gradient.transpose(1, 2).is_contiguous()
-    q, k, v = (torch.randn(2, 4, 7, 16, device=device, requires_grad=True) for _ in range(3))
-    module(q, k, v).backward(torch.randn(2, 4, 7, 16, device=device))
+    q, k, v = (torch.randn(2, 4, 7, 64, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    module(q, k, v).backward(torch.randn(2, 4, 7, 64, dtype=dtype, device=device))
     assert all(x.grad.is_contiguous() for x in (q, k, v))
 
 
