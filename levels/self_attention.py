@@ -164,7 +164,7 @@ class SelfAttentionSpec(ComponentSpec):
         # three gradients straight into qkv's (batch, tokens, 3, heads, head_dim) layout, and the view's is
         # free. Transposed first (one permute, then unbind), the stack would come out heads-first and the
         # view's backward would copy all of it once more (at GPT-2 size, 38 MB a layer). How fast the stack
-        # runs depends on how the three gradients lie: level 4's attention writes them tokens first, as the
+        # runs depends on how the three gradients lie: levels 4 and 5 write them tokens first, as the
         # projection holds them, so the stack copies whole rows (attention_tiles.empty_gradient; lesson 06).
         q, k, v = (part.transpose(1, 2) for part in qkv.view(batch, tokens, 3, self.n_head, self.head_dim).unbind(2))
         heads = attention(q, k, v) if cache is None else cache.attend(q, k, v, attention)
