@@ -115,13 +115,9 @@ at::Tensor empty_attention_output(const at::Tensor& q) {
 
 // The gradient of t before the backward writes it, laid out as t lies: tokens first (as
 // empty_attention_output) where t's rows lie farther apart than its heads, as the heads of a fused q·k·v
-// projection do, else contiguous. Why: self-attention takes q, k and v apart from its (batch, tokens, 3,
-// heads, head_dim) projection with unbind, whose backward stacks the three gradients back into that
-// layout. From heads-first gradients that stack gathers each head's rows from its own place; from
-// tokens-first ones each token's heads * head_dim values are one contiguous run, and the stack runs at
-// copy speed (profiling/results/h200/README.md, the GELU and gradient-layout probe). A contiguous t gets a
-// contiguous gradient, which autograd keeps as a leaf's .grad without a copy. (The rule reads only sizes
-// and strides, so the Meta kernel gives torch.compile the same layout.)
+// projection do, else contiguous. Level 4's rule too (triton_kernels/attention_tiles.py, empty_gradient,
+// which says why: unbind's backward then stacks the three gradients at copy speed). The rule reads only
+// sizes and strides, so the Meta kernel gives torch.compile the same layout.
 at::Tensor empty_gradient(const at::Tensor& t) {
   if (t.sym_size(1) > 1 && t.sym_size(2) > 1 && t.sym_stride(1) < t.sym_stride(2)) return empty_attention_output(t);
   return at::empty_symint(t.sym_sizes(), t.options());

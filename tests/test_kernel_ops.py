@@ -392,6 +392,10 @@ def op_samples(namespace, device, dtype):
     grouped_k, grouped_v = (torch.randn(1, 2, 13, 24, device=device, dtype=dtype) for _ in range(2))
     grouped_out, grouped_lse = getattr(torch.ops, namespace).attention_forward(grouped_q, grouped_k, grouped_v,
                                                                               *attention_args)
+    # Heads of one fused (batch, tokens, 3, heads, head_dim) projection: their gradients come back tokens first.
+    fused_projection = torch.randn(2, 19, 3, 3, 16, device=device, dtype=dtype)
+    fused_q, fused_k, fused_v = (part.transpose(1, 2) for part in fused_projection.unbind(2))
+    fused_out, fused_lse = getattr(torch.ops, namespace).attention_forward(fused_q, fused_k, fused_v, *attention_args)
     fc_weight, fc_bias = torch.randn(29, 37, device=device, dtype=dtype), torch.randn(29, device=device, dtype=dtype)
     proj_weight, proj_bias = torch.randn(37, 29, device=device, dtype=dtype), torch.randn(37, device=device, dtype=dtype)
     ops = getattr(torch.ops, namespace)
@@ -425,6 +429,7 @@ def op_samples(namespace, device, dtype):
                                grouped_v.clone().requires_grad_(True), *attention_args)),
         ("attention_backward", (grouped_grad, grouped_q, grouped_k, grouped_v, grouped_out, grouped_lse,
                                 *attention_args)),
+        ("attention_backward", (attention_grad, fused_q, fused_k, fused_v, fused_out, fused_lse, *attention_args)),
         ("linear_forward", (x.clone().requires_grad_(True), fc_weight.clone().requires_grad_(True),
                             fc_bias.clone().requires_grad_(True))),
         ("linear_forward", (x, fc_weight, None)),
