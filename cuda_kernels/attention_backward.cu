@@ -249,14 +249,17 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   stage_accumulators<T, kColumns, kPitch>(k_rows + column0, dk, static_cast<float>(shape.scale));
   stage_accumulators<T, kColumns, kPitch>(v_rows + column0, dv, 1.0f);
   __syncthreads();  // the column parts of a row come from different warps
-  const int64_t kv_heads = shape.heads / shape.group;
+  // kv's batch and head, for the gradients' strides, in 32-bit arithmetic (kv is a grid index, below 2^31):
+  // of_head's 64-bit divisions here made ptxas spill registers at tile width 256.
+  const auto kv_heads = static_cast<uint32_t>(shape.heads / shape.group), kv32 = static_cast<uint32_t>(kv);
+  const int64_t kv_batch = kv32 / kv_heads, kv_head = kv32 % kv_heads;
   if (column_part == 0) {
-    copy_rows_to_global<16, kD>(grad_k + shape.grad_k.of_head(kv, kv_heads), shape.grad_k.row, k_rows,
-                                j0 + key_warp * 16, lk, d);
+    copy_rows_to_global<16, kD>(grad_k + kv_batch * shape.grad_k.batch + kv_head * shape.grad_k.head,
+                                shape.grad_k.row, k_rows, j0 + key_warp * 16, lk, d);
   }
   if (column_part == Warps::kColumnParts - 1) {
-    copy_rows_to_global<16, kD>(grad_v + shape.grad_v.of_head(kv, kv_heads), shape.grad_v.row, v_rows,
-                                j0 + key_warp * 16, lk, d);
+    copy_rows_to_global<16, kD>(grad_v + kv_batch * shape.grad_v.batch + kv_head * shape.grad_v.head,
+                                shape.grad_v.row, v_rows, j0 + key_warp * 16, lk, d);
   }
 }
 
