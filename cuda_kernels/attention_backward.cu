@@ -250,7 +250,7 @@ attention_backward_tensor_core_kernel(AttentionShape shape, const T* __restrict_
   stage_accumulators<T, kColumns, kPitch>(v_rows + column0, dv, 1.0f);
   __syncthreads();  // the column parts of a row come from different warps
   // kv's batch and head, for the gradients' strides, in 32-bit arithmetic (kv is a grid index, below 2^31):
-  // of_head's 64-bit divisions here made ptxas spill registers at tile width 256.
+  // of_head's 64-bit divisions here made ptxas spill registers at tile width 256 for sm_90.
   const auto kv_heads = static_cast<uint32_t>(shape.heads / shape.group), kv32 = static_cast<uint32_t>(kv);
   const int64_t kv_batch = kv32 / kv_heads, kv_head = kv32 % kv_heads;
   if (column_part == 0) {
