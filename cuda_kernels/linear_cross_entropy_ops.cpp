@@ -23,6 +23,7 @@
 // Check
 //   python -m pytest tests -k "linear_cross_entropy and cuda"
 #include <algorithm>
+#include <optional>
 
 #include "binding.h"
 
@@ -141,7 +142,6 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
                            ? weight.contiguous()
                            : at::constant_pad_nd(weight, {0, 0, 0, padded_vocabulary - vocabulary});
   const int64_t rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows);
-  const ValidTargets valid_targets(t, ignore_index);
   // Reused by every chunk: (rows_per_chunk, padded_vocabulary), the row kernels' rows padded_vocabulary apart.
   // One buffer on one stream, so a chunk's row kernel waits for its logits GEMM and its gradient GEMMs wait
   // for it. Running each chunk's row kernel on a second stream beside the neighbouring chunks' GEMMs (two
@@ -149,6 +149,7 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
   // tile, and telling cuBLAS to leave SMs free for the row kernel (an SM count target) slowed the GEMMs by
   // more than the row kernel costs (profiling/results/h200/README.md, session of 2026-11-29, seventh).
   at::Tensor logits = at::empty({rows_per_chunk, padded_vocabulary}, h.options());
+  std::optional<ValidTargets> valid_targets;  // made after the first GEMM is queued (below)
   at::Tensor row_losses = at::empty({tokens}, loss_options);
   at::Tensor grad_hidden = at::empty_symint(gradient_shape(h), h.options());
   at::Tensor grad_weight = at::empty_symint(gradient_shape(w), h.options());
@@ -159,16 +160,20 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
     void* chunk_losses = row_losses.narrow(0, start, rows).mutable_data_ptr();
     const int64_t* chunk_targets = t.const_data_ptr<int64_t>() + start;
     at::mm_out(chunk_logits, chunk_hidden, w.t());
+    // The targets' count and range are queued behind the first chunk's logits GEMM: the GPU runs that GEMM
+    // while the host queues their half-dozen small ops. Queued ahead of it, they would leave the GPU idle
+    // until the host reached the GEMM.
+    if (!valid_targets) valid_targets.emplace(t, ignore_index);
     // The logits become their gradient in place (or, without gradients, are only read).
     run_on_device_of(
         h,
         [&](void* stream) {
           launch_cross_entropy_rows(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                    padded_vocabulary, ignore_index, valid_targets.count(), compute_gradients, stream);
+                                    padded_vocabulary, ignore_index, valid_targets->count(), compute_gradients, stream);
         },
         [&] {
           cross_entropy_rows_cpu(dtype, chunk_logits.mutable_data_ptr(), chunk_targets, chunk_losses, rows, vocabulary,
-                                 padded_vocabulary, ignore_index, valid_targets.count(), compute_gradients);
+                                 padded_vocabulary, ignore_index, valid_targets->count(), compute_gradients);
         });
     if (!compute_gradients) continue;
     at::Tensor chunk_grad_hidden = grad_hidden.narrow(0, start, rows);
@@ -188,13 +193,13 @@ TensorTriple linear_cross_entropy_forward(const at::Tensor& hidden, const at::Te
   run_on_device_of(
       h,
       [&](void* stream) {
-        launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count(),
+        launch_mean_loss(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets->count(),
                          stream);
       },
       [&] {
-        mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets.count());
+        mean_loss_cpu(dtype, row_losses.const_data_ptr(), loss.mutable_data_ptr(), tokens, valid_targets->count());
       });
-  valid_targets.check_range(op, ignore_index, vocabulary);
+  valid_targets->check_range(op, ignore_index, vocabulary);
   // The first `vocabulary` rows of a contiguous matrix are contiguous: no copy.
   return {loss, grad_hidden, compute_gradients ? grad_weight.narrow(0, 0, vocabulary) : grad_weight};
 }

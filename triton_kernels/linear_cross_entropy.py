@@ -219,7 +219,6 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
             return loss, hidden.new_empty(0), weight.new_empty(0)
         return loss, hidden.new_zeros(hidden.shape), weight.new_zeros(weight.shape)
 
-    n_valid, target_summary = _count_valid_targets(targets, ignore_index)
     rows_per_chunk = choose_chunk_rows(tokens, vocabulary, chunk_rows)
     starts = range(0, tokens, rows_per_chunk)
     # One chunk's logits, reused by every chunk: (rows, vocabulary), rows padded apart (LOGITS_ROW_ALIGNMENT).
@@ -238,6 +237,11 @@ def launch_linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, 
             hidden_chunk = hidden[start:start + rows_per_chunk]
             chunk_logits = logits[:hidden_chunk.shape[0]]
             launch_matmul(hidden_chunk, weight.t(), out=chunk_logits)
+            if start == 0:
+                # The targets' count and range are queued behind the first chunk's logits matmul: the GPU
+                # runs it while the host queues their half-dozen small ops. Queued ahead of it, they would
+                # leave the GPU idle until the host reached the matmul.
+                n_valid, target_summary = _count_valid_targets(targets, ignore_index)
             launch(_cross_entropy_rows_kernel, (hidden_chunk.shape[0],), chunk_logits, targets[start:],
                    row_losses[start:], n_valid, vocabulary, row_stride, ignore_index, BLOCK_V=block_v,
                    COMPUTE=compute_dtype(hidden.dtype), WRITE_GRADIENT=compute_gradients,
