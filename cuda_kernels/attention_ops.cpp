@@ -123,22 +123,13 @@ at::Tensor empty_gradient(const at::Tensor& t) {
   return at::empty_symint(t.sym_sizes(), t.options());
 }
 
-// The forward passes its output for grad_out and the gradients (placeholders it never reads).
+// The forward's shape: the backward's tensors (grad_out and the gradients) are left unset, as it reads none.
 AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                               const at::Tensor& grad_out, const at::Tensor& grad_q, const at::Tensor& grad_k,
-                               const at::Tensor& grad_v, bool causal, int64_t window, double scale) {
+                               bool causal, int64_t window, double scale) {
   const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
   const AttentionProblem problem{q.size(0) * q.size(1), q.size(2), k.size(2), q.size(3), group, causal, window, scale,
                                  q.size(1)};
-  return AttentionShape{problem,
-                        head_strides(q),
-                        head_strides(k),
-                        head_strides(v),
-                        head_strides(out),
-                        head_strides(grad_out),
-                        head_strides(grad_q),
-                        head_strides(grad_k),
-                        head_strides(grad_v)};
+  return AttentionShape{problem, head_strides(q), head_strides(k), head_strides(v), head_strides(out)};
 }
 
 TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
@@ -150,7 +141,7 @@ TensorPair attention_forward(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor lse = at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(statistics_dtype(q)));
   if (q.is_meta() || out.numel() == 0) return {out, lse};  // (no 0-block launch)
   const at::Tensor queries = readable(q), keys = readable(k), values = readable(v);
-  const AttentionShape shape = attention_shape(queries, keys, values, out, out, out, out, out, causal, window, scale);
+  const AttentionShape shape = attention_shape(queries, keys, values, out, causal, window, scale);
   run_on_device_of(
       queries,
       [&](void* stream) {
@@ -179,8 +170,11 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   }
   const at::Tensor dy = readable(grad_out), queries = readable(q), keys = readable(k), values = readable(v);
   const at::Tensor output = readable(out), log_sum_exp = lse.contiguous();
-  const AttentionShape shape =
-      attention_shape(queries, keys, values, output, dy, grad_q, grad_k, grad_v, causal, window, scale);
+  AttentionShape shape = attention_shape(queries, keys, values, output, causal, window, scale);
+  shape.grad_out = head_strides(dy);
+  shape.grad_q = head_strides(grad_q);
+  shape.grad_k = head_strides(grad_k);
+  shape.grad_v = head_strides(grad_v);
   run_on_device_of(
       queries,
       [&](void* stream) {

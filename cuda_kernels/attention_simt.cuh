@@ -211,7 +211,9 @@ attention_backward_dq_simt_kernel(AttentionShape shape, const T* __restrict__ gr
       add_row_part<kD>(dq, p * (dp - row_delta), k_tile, j, part);
     }
   }
-  if (i < lq) store_row_part<kD>(grad_q + shape.grad_q.of_head(bh, shape.heads), shape.grad_q.row, i, dq, scale, d, part);
+  if (i < lq) {
+    store_row_part<kD>(grad_q + shape.grad_q.of_head(bh, shape.heads), shape.grad_q.row, i, dq, scale, d, part);
+  }
 }
 
 // dk and dv for one key row per thread group (its k, v, dk, dv in registers), streaming the queries
@@ -264,6 +266,8 @@ attention_backward_dk_dv_simt_kernel(AttentionShape shape, const T* __restrict__
     }
   }
   if (j < lk) {
+    // Found again here rather than kept from the loads above: held through the loop, it made the float64
+    // kernel at tile width 256 spill on sm_80.
     const int64_t kv_heads = shape.heads / shape.group;
     store_row_part<kD>(grad_k + shape.grad_k.of_head(kv, kv_heads), shape.grad_k.row, j, dk, scale, d, part);
     store_row_part<kD>(grad_v + shape.grad_v.of_head(kv, kv_heads), shape.grad_v.row, j, dv, T(1), d, part);
