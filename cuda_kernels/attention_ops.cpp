@@ -194,43 +194,45 @@ TensorTriple attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
   return {grad_q, grad_k, grad_v};
 }
 
-struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v, bool causal, int64_t window,
-                                                double scale) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(attention_forward)>("cuda_kernels::attention_forward");
-    const at::Tensor queries = readable(q), keys = readable(k), values = readable(v);
-    auto [out, lse] = op.call(queries, keys, values, causal, window, scale);
-    // lse, not the probabilities: the backward recomputes them.
-    ctx->save_for_backward({queries, keys, values, out, lse});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["scale"] = scale;
-    ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);  // no zero tensor for lse's (always absent) gradient
-    return {out, lse};
-  }
+// The backward of one attention call: q, k, v as the kernels read them, the output and its log-sum-exp
+// saved, in that order (lse, not the probabilities: the backward recomputes them), and the mask.
+struct AttentionBackward : OpNode<AttentionBackward> {
+  static constexpr const char* kName = "AttentionBackward";
+  bool causal = false;
+  int64_t window = 0;
+  double scale = 1.0;
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const at::Tensor none;
-    if (!grad_outputs[0].defined()) return {none, none, none, none, none, none};
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_q, grad_k, grad_v] = call_backward_op<&attention_backward>(
-        "cuda_kernels::attention_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4],
-        ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(), ctx->saved_data["scale"].toDouble());
-    return {if_needed(ctx, 0, grad_q), if_needed(ctx, 1, grad_k), if_needed(ctx, 2, grad_v), none, none, none};
+        "cuda_kernels::attention_backward", grad, saved[0], saved[1], saved[2], saved[3], saved[4], causal, window,
+        scale);
+    return {gradient_if_needed(0, grad_q), gradient_if_needed(1, grad_k), gradient_if_needed(2, grad_v)};
   }
 };
 
 TensorPair attention_forward_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                                       int64_t window, double scale) {
+  refuse_tangents("attention_forward", q, k, v);
   if (!records_gradient(q, k, v)) {
     return call_below_autograd<&attention_forward>("cuda_kernels::attention_forward", q, k, v, causal, window, scale);
   }
-  const auto outputs = AttentionFunction::apply(q, k, v, causal, window, scale);
-  return {outputs[0], outputs[1]};
+  at::Tensor queries, keys, values;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // a copy `readable` makes records no node
+    queries = readable(q);
+    keys = readable(k);
+    values = readable(v);
+  }
+  auto [out, lse] = call_below_autograd<&attention_forward>("cuda_kernels::attention_forward", queries, keys, values,
+                                                            causal, window, scale);
+  auto node = record_node<AttentionBackward>(out, q, k, v);  // lse: a constant to autograd
+  node->causal = causal;
+  node->window = window;
+  node->scale = scale;
+  for (const at::Tensor& tensor : {queries, keys, values}) node->save(tensor);
+  node->save(out, /*is_output=*/true);
+  node->save(lse);
+  return {out, lse};
 }
 
 // One new token per sequence appended to a static KV cache and attended (attention_decode.cu): the

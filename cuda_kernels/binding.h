@@ -3,8 +3,9 @@
 // of it out once, as the worked example; read it first.
 //
 // How a call travels, e.g. `y = layer_norm(x, weight, bias, eps)` with x requiring grad:
-//   Autograd key  -> our torch::autograd::Function (in C++: no Python on the way, forward or backward);
-//                    when autograd will record nothing (torch.no_grad), straight on to the key below
+//   Autograd key  -> the op's autograd kernel: runs the op below autograd and hangs an OpNode (below) on
+//                    its output, all in C++ (no Python on the way, forward or backward); when autograd
+//                    will record nothing (torch.no_grad), straight on to the key below
 //   CPU/CUDA key  -> the host wrapper: check, allocate, make contiguous, launch the kernel
 //   Meta key      -> the same host wrapper, which returns after allocating: torch.compile and
 //                    torch.library.opcheck trace shapes with it (SymInt sizes, so symbolic shapes work)
@@ -21,7 +22,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #ifdef KERNEL_LADDER_WITH_CUDA
@@ -31,10 +34,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels.h"
 
@@ -166,13 +172,12 @@ void impl_on_every_device(torch::Library& m, const char* op) {
 #endif
 }
 
-// A differentiable op: `forward` and `backward` on every device, and `autograd` (which calls
-// torch::autograd::Function<...>::apply) for the Autograd key of every backend. The backward is first-order
-// only, and says so: its Autograd kernel is PyTorch's not-implemented node, so a second derivative (a
-// backward run with create_graph=True, then differentiated again) raises "derivative for ... is not
-// implemented". An op with no Autograd kernel at all would get PyTorch's default instead, a warning and
-// gradients silently left at zero. With grad mode off, as in every plain .backward(), call_backward_op
-// (below) calls past the node.
+// A differentiable op: `forward` and `backward` on every device, and `autograd` (which records an OpNode,
+// below) for the Autograd key of every backend. The backward is first-order only, and says so: its Autograd
+// kernel is PyTorch's not-implemented node, so a second derivative (a backward run with create_graph=True,
+// then differentiated again) raises "derivative for ... is not implemented". An op with no Autograd kernel
+// at all would get PyTorch's default instead, a warning and gradients silently left at zero. With grad mode
+// off, as in every plain .backward(), call_backward_op (below) calls past the node.
 template <auto* kForward, auto* kBackward, auto* kAutograd>
 void impl_differentiable(torch::Library& m, const char* forward, const char* backward) {
   impl_on_every_device<kForward>(m, forward);
@@ -181,11 +186,9 @@ void impl_differentiable(torch::Library& m, const char* forward, const char* bac
   m.impl(backward, torch::dispatch(c10::DispatchKey::Autograd, torch::autograd::autogradNotImplementedFallback()));
 }
 
-// Whether autograd will record this call: grad mode is on and some tensor input requires grad.
-// torch::autograd::Function::apply builds its graph node, saves the inputs and wraps every output
-// before it learns whether anything will use them; under torch.no_grad (inference: a decode step) that
-// bookkeeping would be most of a small call. So an Autograd kernel asks first, and when the answer is
-// no it calls the op below autograd instead (call_below_autograd). swish_ops.cpp writes this out.
+// Whether autograd will record this call: grad mode is on and some tensor input requires grad. Under
+// torch.no_grad (inference: a decode step) an autograd kernel calls the op below autograd at once
+// (call_below_autograd), with no node to build. swish_ops.cpp writes this out.
 inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 inline bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
 template <typename NotATensor>
@@ -194,6 +197,102 @@ bool requires_grad(const NotATensor&) { return false; }
 template <typename... Inputs>
 bool records_gradient(const Inputs&... inputs) {
   return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
+}
+
+// Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) gives inputs a tangent. Our ops have no
+// forward-mode formula, and an output without its tangent would be a silently wrong answer, so every
+// autograd kernel refuses such inputs first, as PyTorch's own ops without a formula do.
+inline bool has_tangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+inline bool has_tangent(const std::optional<at::Tensor>& t) { return t.has_value() && has_tangent(*t); }
+template <typename NotATensor>
+bool has_tangent(const NotATensor&) { return false; }
+
+template <typename... Inputs>
+void refuse_tangents(const char* op, const Inputs&... inputs) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!(has_tangent(inputs) || ...), "cuda_kernels::", op,
+                              ": forward-mode AD is not implemented (an input has a tangent); use reverse mode");
+}
+
+// --- the graph node of a differentiable op -------------------------------------------------------------
+//
+// PyTorch's own ops record their backward the way its code generator writes it: collect the inputs'
+// gradient edges, run the op below autograd, hang a node on the output (set_history), keep what the
+// backward needs as SavedVariables. torch::autograd::Function::apply does the same for any forward, and
+// pays for that generality on every call: metadata for every input and output, a set of non-differentiable
+// outputs, forward-mode bookkeeping through std::function objects, an IValue map for each number kept.
+// OpNode is the generated code's recipe, written once for our ops (swish_ops.cpp spells it out). Measured
+// on H200 hosts (profiling/results/h200/autograd-node-level5.md): through Function::apply a LayerNorm
+// forward with gradients took 3-6 us longer than F.layer_norm's; as an OpNode it is within 0.6 us of it.
+
+// PyTorch 2.13 holds autograd nodes in c10::intrusive_ptr, earlier versions in std::shared_ptr (the course
+// runs on both): a new node, and a node's pointer to itself, in whichever this PyTorch uses.
+template <typename T, typename... Args>
+auto new_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  }
+}
+
+template <typename T>
+auto pointer_to(T* node) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::intrusive_ptr<torch::autograd::Node>::unsafe_reclaim_from_nonowning(node);
+  } else {
+    return node->shared_from_this();
+  }
+}
+
+// The node of one op call. Derived names itself (kName) and computes the inputs' gradients:
+//   torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved)
+// from the output's gradient and the saved tensors (in the order saved), one entry per tensor input (in
+// the order given to record_node), undefined where none is wanted (gradient_if_needed). Numbers the
+// backward needs are Derived's own members.
+template <typename Derived>
+struct OpNode : torch::autograd::Node {
+  std::vector<torch::autograd::SavedVariable> saved;
+
+  std::string name() const override { return Derived::kName; }
+
+  // A SavedVariable checks, when unpacked, that nobody changed the tensor in place meanwhile, and is
+  // freed by release_variables once a backward without retain_graph has used it. is_output: a tensor this
+  // node is the grad_fn of, kept without that link (a node holding its own output would be a cycle).
+  void save(const at::Tensor& tensor, bool is_output = false) { saved.emplace_back(tensor, is_output); }
+
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& variable : saved) variable.reset_data();
+  }
+
+  // The gradient of the `index`-th tensor input if this backward is asked for it (it requires grad, and
+  // torch.autograd.grad, if that is the caller, names it), else an undefined tensor (None).
+  at::Tensor gradient_if_needed(size_t index, const at::Tensor& gradient) const {
+    return task_should_compute_output(index) ? gradient : at::Tensor();
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const std::lock_guard<std::mutex> lock(mutex_);  // a backward on another thread may release `saved`
+    // No gradient reached the output (a zero one): none goes on to the inputs either.
+    if (!grads[0].defined()) return torch::autograd::variable_list(num_outputs());
+    const auto self = pointer_to(this);
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(saved.size());
+    for (const auto& variable : saved) tensors.push_back(variable.unpack(self));
+    return static_cast<Derived*>(this)->gradients(grads[0], tensors);
+  }
+};
+
+// A NodeType (an OpNode) made the grad_fn of `output`, the op's one differentiable output, with an edge to
+// each tensor input (`inputs`, std::optional ones included: an absent one gets an empty edge). The caller
+// then saves what its backward needs. Other outputs (statistics, log-sum-exps) get no history: autograd
+// treats them as constants. (swish_ops.cpp writes these steps out.)
+template <typename NodeType, typename... Inputs>
+auto record_node(const at::Tensor& output, const Inputs&... inputs) {
+  auto node = new_node<NodeType>();
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  torch::autograd::set_history(output, node);
+  return node;
 }
 
 // The op whose host wrapper is kWrapper, named `name`, called below autograd (found once, then kept).
@@ -205,7 +304,15 @@ auto call_below_autograd(const char* name, Args&&... args) {
   return op.call(std::forward<Args>(args)...);
 }
 
-// A backward op, called from a torch::autograd::Function's backward. A plain .backward() runs that with
+// x laid out as the kernels read it (a contiguous x itself, any other copied once), made below autograd so
+// that the copy records no node: the tensor an autograd kernel passes to the op and saves for the backward,
+// whose wrapper then reads it as it is instead of copying a strided x again.
+inline at::Tensor contiguous_for_saving(const at::Tensor& x) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return x.contiguous();
+}
+
+// A backward op, called from an OpNode's gradients. A plain .backward() runs that with
 // grad mode off: nothing will be recorded, so the call goes below autograd, past the op's Autograd kernel
 // (impl_differentiable's not-implemented node: a boxed call that would only pass it on). Under
 // create_graph=True it goes through that kernel, which records a node that raises if differentiated.
@@ -216,13 +323,6 @@ auto call_backward_op(const char* name, Args&&... args) {
   if (at::GradMode::is_enabled()) return op.call(std::forward<Args>(args)...);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(std::forward<Args>(args)...);
-}
-
-// `grad` if autograd asked for the gradient of the forward's `tensor_index`-th tensor input, else an
-// undefined tensor (None). The index counts tensors only: numbers and absent (None) tensors have no edge
-// in the graph.
-inline at::Tensor if_needed(torch::autograd::AutogradContext* ctx, size_t tensor_index, const at::Tensor& grad) {
-  return ctx->needs_input_grad(tensor_index) ? grad : at::Tensor();
 }
 
 }  // namespace kernel_ladder

@@ -136,31 +136,27 @@ TensorTriple linear_backward(const at::Tensor& grad_out, const at::Tensor& x, co
   return {in_rows_of(x, at::mm(dy, weight)), at::mm(dy.t(), as_rows(x)), column_sums(dtype, dy)};
 }
 
-struct LinearFunction : public torch::autograd::Function<LinearFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(linear_forward)>("cuda_kernels::linear_forward");
-    ctx->save_for_backward({x, weight});  // the bias enters no gradient
-    ctx->saved_data["has_bias"] = bias.has_value();
-    return op.call(x, weight, bias);
-  }
+// The backward of one linear call: x and the weight saved (the bias enters no gradient).
+struct LinearBackward : OpNode<LinearBackward> {
+  static constexpr const char* kName = "LinearBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_x, grad_weight, grad_bias] =
-        call_backward_op<&linear_backward>("cuda_kernels::linear_backward", grad_outputs[0], saved[0], saved[1]);
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), has_bias ? if_needed(ctx, 2, grad_bias) : at::Tensor()};
+        call_backward_op<&linear_backward>("cuda_kernels::linear_backward", grad, saved[0], saved[1]);
+    // An absent bias has an edge too (an empty one), so there are always three.
+    return {gradient_if_needed(0, grad_x), gradient_if_needed(1, grad_weight), gradient_if_needed(2, grad_bias)};
   }
 };
 
 at::Tensor linear_forward_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (!records_gradient(x, weight, bias)) {
-    return call_below_autograd<&linear_forward>("cuda_kernels::linear_forward", x, weight, bias);
+  refuse_tangents("linear_forward", x, weight, bias);
+  at::Tensor y = call_below_autograd<&linear_forward>("cuda_kernels::linear_forward", x, weight, bias);
+  if (records_gradient(x, weight, bias)) {
+    auto node = record_node<LinearBackward>(y, x, weight, bias);
+    node->save(x);
+    node->save(weight);
   }
-  return LinearFunction::apply(x, weight, bias);
+  return y;
 }
 
 // --- the feed-forward block --------------------------------------------------------------------------------
@@ -239,34 +235,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
           weight_gradient(dy, activation, proj_weight), column_sums(dtype, dy)};
 }
 
-struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& fc_weight, const std::optional<at::Tensor>& fc_bias,
-                                                const at::Tensor& proj_weight, const std::optional<at::Tensor>& proj_bias) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(feed_forward_forward)>("cuda_kernels::feed_forward_forward");
-    auto [y, pre_activation, activation] = op.call(x, fc_weight, fc_bias, proj_weight, proj_bias);
-    // h for GELU's derivative, a for the gradient of W_proj; the biases enter no gradient.
-    ctx->save_for_backward({x, fc_weight, proj_weight, pre_activation, activation});
-    ctx->saved_data["has_bias"] = fc_bias.has_value();
-    ctx->mark_non_differentiable({pre_activation, activation});
-    ctx->set_materialize_grads(false);  // no (tokens, hidden) zero tensors for h's and a's absent gradients
-    return {y, pre_activation, activation};
-  }
+// The backward of one feed-forward call: x, both weights, and the forward's h (for GELU's derivative) and
+// a (for the gradient of W_proj) saved, in that order; the biases enter no gradient.
+struct FeedForwardBackward : OpNode<FeedForwardBackward> {
+  static constexpr const char* kName = "FeedForwardBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const at::Tensor none;
-    if (!grad_outputs[0].defined()) return {none, none, none, none, none};
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_x, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias] = call_backward_op<&feed_forward_backward>(
-        "cuda_kernels::feed_forward_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4]);
-    // Tensor inputs in order: x, fc_weight, (fc_bias), proj_weight, (proj_bias).
-    if (ctx->saved_data["has_bias"].toBool()) {
-      return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_fc_weight), if_needed(ctx, 2, grad_fc_bias),
-              if_needed(ctx, 3, grad_proj_weight), if_needed(ctx, 4, grad_proj_bias)};
-    }
-    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_fc_weight), none, if_needed(ctx, 2, grad_proj_weight), none};
+        "cuda_kernels::feed_forward_backward", grad, saved[0], saved[1], saved[2], saved[3], saved[4]);
+    // Edges in the inputs' order: x, fc_weight, fc_bias, proj_weight, proj_bias (an absent bias: an empty one).
+    return {gradient_if_needed(0, grad_x), gradient_if_needed(1, grad_fc_weight), gradient_if_needed(2, grad_fc_bias),
+            gradient_if_needed(3, grad_proj_weight), gradient_if_needed(4, grad_proj_bias)};
   }
 };
 
@@ -274,12 +253,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feed_forward_forward_autograd(con
                                                                              const std::optional<at::Tensor>& fc_bias,
                                                                              const at::Tensor& proj_weight,
                                                                              const std::optional<at::Tensor>& proj_bias) {
-  if (!records_gradient(x, fc_weight, fc_bias, proj_weight, proj_bias)) {
-    return call_below_autograd<&feed_forward_forward>("cuda_kernels::feed_forward_forward", x, fc_weight, fc_bias,
-                                                      proj_weight, proj_bias);
+  refuse_tangents("feed_forward_forward", x, fc_weight, fc_bias, proj_weight, proj_bias);
+  auto [y, pre_activation, activation] = call_below_autograd<&feed_forward_forward>(
+      "cuda_kernels::feed_forward_forward", x, fc_weight, fc_bias, proj_weight, proj_bias);
+  if (records_gradient(x, fc_weight, fc_bias, proj_weight, proj_bias)) {
+    // h and a: constants to autograd
+    auto node = record_node<FeedForwardBackward>(y, x, fc_weight, fc_bias, proj_weight, proj_bias);
+    for (const at::Tensor& tensor : {x, fc_weight, proj_weight, pre_activation, activation}) node->save(tensor);
   }
-  const auto outputs = FeedForwardFunction::apply(x, fc_weight, fc_bias, proj_weight, proj_bias);
-  return {outputs[0], outputs[1], outputs[2]};
+  return {y, pre_activation, activation};
 }
 
 }  // namespace

@@ -106,36 +106,32 @@ TensorTriple layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x
   return {grad_x, grad_weight, grad_bias};
 }
 
-struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& weight, const at::Tensor& bias, double eps) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(layer_norm_forward)>("cuda_kernels::layer_norm_forward");
-    const at::Tensor input = x.contiguous();
-    auto [y, mean, rstd] = op.call(input, weight, bias, eps);
-    ctx->save_for_backward({input, weight, mean, rstd});  // the bias enters no gradient
-    ctx->mark_non_differentiable({mean, rstd});
-    // No zero tensors for the statistics' (always absent) gradients.
-    ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
-  }
+// The backward of one LayerNorm call: x (contiguous), the weight, and the forward's mean and rstd saved,
+// in that order; the bias enters no gradient.
+struct LayerNormBackward : OpNode<LayerNormBackward> {
+  static constexpr const char* kName = "LayerNormBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_x, grad_weight, grad_bias] = call_backward_op<&layer_norm_backward>(
-        "cuda_kernels::layer_norm_backward", grad_outputs[0], saved[0], saved[1], saved[2], saved[3]);
-    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), if_needed(ctx, 2, grad_bias), at::Tensor()};
+        "cuda_kernels::layer_norm_backward", grad, saved[0], saved[1], saved[2], saved[3]);
+    return {gradient_if_needed(0, grad_x), gradient_if_needed(1, grad_weight), gradient_if_needed(2, grad_bias)};
   }
 };
 
 TensorTriple layer_norm_forward_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  refuse_tangents("layer_norm_forward", x, weight, bias);
   if (!records_gradient(x, weight, bias)) {
     return call_below_autograd<&layer_norm_forward>("cuda_kernels::layer_norm_forward", x, weight, bias, eps);
   }
-  const auto outputs = LayerNormFunction::apply(x, weight, bias, eps);
-  return {outputs[0], outputs[1], outputs[2]};
+  const at::Tensor input = contiguous_for_saving(x);
+  auto [y, mean, rstd] = call_below_autograd<&layer_norm_forward>("cuda_kernels::layer_norm_forward", input, weight,
+                                                                  bias, eps);
+  auto node = record_node<LayerNormBackward>(y, x, weight, bias);  // mean and rstd: constants to autograd
+  node->save(input);
+  node->save(weight);
+  node->save(mean);
+  node->save(rstd);
+  return {y, mean, rstd};
 }
 
 // --- RMSNorm: LayerNorm's wrappers without mean and bias --------------------------------------------
@@ -198,35 +194,29 @@ TensorPair rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, co
   return {grad_x, grad_weight};
 }
 
-struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& weight, double eps) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(rms_norm_forward)>("cuda_kernels::rms_norm_forward");
-    const at::Tensor input = x.contiguous();
-    auto [y, rstd] = op.call(input, weight, eps);
-    ctx->save_for_backward({input, weight, rstd});
-    ctx->mark_non_differentiable({rstd});
-    ctx->set_materialize_grads(false);  // no zero tensor for rstd's (always absent) gradient
-    return {y, rstd};
-  }
+// RMSNorm's: x (contiguous), the weight and the forward's rstd saved.
+struct RMSNormBackward : OpNode<RMSNormBackward> {
+  static constexpr const char* kName = "RMSNormBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    if (!grad_outputs[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_x, grad_weight] =
-        call_backward_op<&rms_norm_backward>("cuda_kernels::rms_norm_backward", grad_outputs[0], saved[0], saved[1], saved[2]);
-    return {if_needed(ctx, 0, grad_x), if_needed(ctx, 1, grad_weight), at::Tensor()};
+        call_backward_op<&rms_norm_backward>("cuda_kernels::rms_norm_backward", grad, saved[0], saved[1], saved[2]);
+    return {gradient_if_needed(0, grad_x), gradient_if_needed(1, grad_weight)};
   }
 };
 
 TensorPair rms_norm_forward_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  refuse_tangents("rms_norm_forward", x, weight);
   if (!records_gradient(x, weight)) {
     return call_below_autograd<&rms_norm_forward>("cuda_kernels::rms_norm_forward", x, weight, eps);
   }
-  const auto outputs = RMSNormFunction::apply(x, weight, eps);
-  return {outputs[0], outputs[1]};
+  const at::Tensor input = contiguous_for_saving(x);
+  auto [y, rstd] = call_below_autograd<&rms_norm_forward>("cuda_kernels::rms_norm_forward", input, weight, eps);
+  auto node = record_node<RMSNormBackward>(y, x, weight);
+  node->save(input);
+  node->save(weight);
+  node->save(rstd);
+  return {y, rstd};
 }
 
 }  // namespace

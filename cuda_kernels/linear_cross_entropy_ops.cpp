@@ -232,40 +232,34 @@ TensorPair linear_cross_entropy_backward(const at::Tensor& grad_loss, const at::
   return {scaled_by(dtype, grad_hidden, grad_loss), scaled_by(dtype, grad_weight, grad_loss)};
 }
 
-struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& targets, int64_t ignore_index,
-                                                int64_t chunk_rows) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(linear_cross_entropy_forward)>("cuda_kernels::linear_cross_entropy_forward");
-    auto [loss, grad_hidden, grad_weight] = op.call(hidden, weight, targets, ignore_index, true, chunk_rows);
-    ctx->save_for_backward({grad_hidden, grad_weight});  // the whole backward: no input is needed again
-    ctx->mark_non_differentiable({grad_hidden, grad_weight});
-    ctx->set_materialize_grads(false);  // no (T, C) and (V, C) zero tensors for their absent gradients
-    return {loss, grad_hidden, grad_weight};
-  }
+// The backward of one LM head + loss call: the forward computed the whole backward already, so the
+// gradients of hidden and the weight (for a loss gradient of 1) are what it saves, and it only scales them.
+struct LinearCrossEntropyBackward : OpNode<LinearCrossEntropyBackward> {
+  static constexpr const char* kName = "LinearCrossEntropyBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    const at::Tensor none;
-    if (!grad_outputs[0].defined()) return {none, none, none, none, none};
-    const auto saved = ctx->get_saved_variables();
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     auto [grad_hidden, grad_weight] = call_backward_op<&linear_cross_entropy_backward>(
-        "cuda_kernels::linear_cross_entropy_backward", grad_outputs[0], saved[0], saved[1]);
-    // Tensor inputs in order: hidden, weight, targets (integers: no gradient).
-    return {if_needed(ctx, 0, grad_hidden), if_needed(ctx, 1, grad_weight), none, none, none};
+        "cuda_kernels::linear_cross_entropy_backward", grad, saved[0], saved[1]);
+    // Edges: hidden, weight, targets (integers: never a gradient).
+    return {gradient_if_needed(0, grad_hidden), gradient_if_needed(1, grad_weight), at::Tensor()};
   }
 };
 
 TensorTriple linear_cross_entropy_forward_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                                    const at::Tensor& targets, int64_t ignore_index, bool compute_gradients,
                                                    int64_t chunk_rows) {
+  refuse_tangents("linear_cross_entropy_forward", hidden, weight);
   if (!records_gradient(hidden, weight)) {
     return call_below_autograd<&linear_cross_entropy_forward>("cuda_kernels::linear_cross_entropy_forward", hidden, weight,
                                                               targets, ignore_index, compute_gradients, chunk_rows);
   }
-  const auto outputs = LinearCrossEntropyFunction::apply(hidden, weight, targets, ignore_index, chunk_rows);
-  return {outputs[0], outputs[1], outputs[2]};
+  auto [loss, grad_hidden, grad_weight] = call_below_autograd<&linear_cross_entropy_forward>(
+      "cuda_kernels::linear_cross_entropy_forward", hidden, weight, targets, ignore_index, true, chunk_rows);
+  // The gradients are outputs too, which autograd treats as constants.
+  auto node = record_node<LinearCrossEntropyBackward>(loss, hidden, weight, targets);
+  node->save(grad_hidden);
+  node->save(grad_weight);
+  return {loss, grad_hidden, grad_weight};
 }
 
 }  // namespace

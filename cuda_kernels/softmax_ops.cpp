@@ -61,25 +61,20 @@ at::Tensor softmax_backward(const at::Tensor& grad_out, const at::Tensor& y) {
   return grad_x;
 }
 
-struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = find_op<decltype(softmax_forward)>("cuda_kernels::softmax_forward");
-    at::Tensor y = op.call(x);
-    ctx->save_for_backward({y});  // y, not x: dx = y * (dy - sum(dy * y)) needs nothing else
-    return y;
-  }
+// The backward of one softmax call: y saved, not x (dx = y * (dy - sum(dy * y)) needs nothing else).
+struct SoftmaxBackward : OpNode<SoftmaxBackward> {
+  static constexpr const char* kName = "SoftmaxBackward";
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    return {call_backward_op<&softmax_backward>("cuda_kernels::softmax_backward", grad_outputs[0],
-                                                ctx->get_saved_variables()[0])};
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
+    return {call_backward_op<&softmax_backward>("cuda_kernels::softmax_backward", grad, saved[0])};
   }
 };
 
 at::Tensor softmax_forward_autograd(const at::Tensor& x) {
-  if (!records_gradient(x)) return call_below_autograd<&softmax_forward>("cuda_kernels::softmax_forward", x);
-  return SoftmaxFunction::apply(x);
+  refuse_tangents("softmax_forward", x);
+  at::Tensor y = call_below_autograd<&softmax_forward>("cuda_kernels::softmax_forward", x);
+  if (records_gradient(x)) record_node<SoftmaxBackward>(y, x)->save(y, /*is_output=*/true);
+  return y;
 }
 
 }  // namespace

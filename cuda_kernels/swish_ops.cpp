@@ -5,10 +5,12 @@
 //   1. The host wrappers swish_forward / swish_backward: check the arguments, allocate the output, make
 //      the input contiguous, and hand raw pointers to the CUDA launcher (swish.cu) or to the C++ CPU
 //      twin (swish_cpu.cpp). The kernels never see a tensor.
-//   2. SwishFunction, a torch::autograd::Function: its forward calls the forward op below autograd and
-//      saves x; its backward calls the backward op. Registered for the Autograd key, so a forward and
-//      backward never enter Python (a crossing into Python costs ~25 us, more than the kernels at
-//      decode sizes).
+//   2. The autograd kernel swish_forward_autograd, registered for the Autograd key: it calls the forward
+//      op below autograd and, when autograd records the call, hangs a SwishBackward node on y that saves x;
+//      the node's backward calls the backward op. So a forward and backward never enter Python (a
+//      crossing into Python costs ~25 us, more than the kernels at decode sizes). The node is an OpNode
+//      (binding.h): the recipe PyTorch's generated code uses for its own ops, leaner per call than a
+//      torch::autograd::Function.
 //   3. The registration at the end: the schemas (TORCH_LIBRARY_FRAGMENT: each component adds its own
 //      ops to the one `cuda_kernels` namespace) and one kernel per dispatch key: CPU, CUDA, Meta
 //      (shapes only, for torch.compile and opcheck) and Autograd.
@@ -83,23 +85,15 @@ at::Tensor swish_forward_version(const at::Tensor& x, double beta, int64_t versi
 
 // --- 2. autograd ---------------------------------------------------------------------------------------
 
-struct SwishFunction : public torch::autograd::Function<SwishFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double beta) {
-    // Below autograd: the call goes on to the CPU/CUDA (or Meta) kernel instead of back to us.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto swish_forward_op = find_op<decltype(swish_forward)>("cuda_kernels::swish_forward");
-    // x only: the backward recomputes sigmoid(beta * x). Saved contiguous, so the backward's wrapper
-    // does not copy a strided x a second time.
-    const at::Tensor input = x.contiguous();
-    ctx->save_for_backward({input});
-    ctx->saved_data["beta"] = beta;
-    return swish_forward_op.call(input, beta);
-  }
+// The node autograd keeps for one swish call, and runs in the backward.
+struct SwishBackward : OpNode<SwishBackward> {
+  static constexpr const char* kName = "SwishBackward";  // what y.grad_fn.name() shows
+  double beta = 1.0;                                      // a number the backward needs: a plain member
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
+  // grad: dL/dy (autograd has matched its sizes to y's); saved: what the forward saved, in order (x).
+  // Returns one gradient per tensor input of the forward (x only: beta is a number, with no edge).
+  torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved) {
     static const auto swish_backward_op = find_op<decltype(swish_backward)>("cuda_kernels::swish_backward");
-    const at::Tensor x = ctx->get_saved_variables()[0];
     // A plain .backward() runs this with grad mode off: nothing will be recorded, so straight below
     // autograd, past swish_backward's Autograd kernel (a boxed not-implemented node that would only pass
     // the call on). Under create_graph=True that kernel runs and makes a second derivative raise.
@@ -107,20 +101,37 @@ struct SwishFunction : public torch::autograd::Function<SwishFunction> {
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
     // Autograd may hand us a broadcast (stride-0) gradient, e.g. from y.sum().backward(); the wrapper
     // makes it contiguous, copying only then.
-    const at::Tensor grad_x = swish_backward_op.call(grad_outputs[0], x, ctx->saved_data["beta"].toDouble());
-    return {grad_x, at::Tensor()};  // beta is a number: no gradient
+    return {swish_backward_op.call(grad, saved[0], beta)};
   }
 };
 
 at::Tensor swish_forward_autograd(const at::Tensor& x, double beta) {
+  // A dual tensor of forward-mode AD would lose its tangent here: refused, with a clear error.
+  refuse_tangents("swish_forward", x);
+  static const auto swish_forward_op = find_op<decltype(swish_forward)>("cuda_kernels::swish_forward");
   // Nothing to record (torch.no_grad, or an x that needs no gradient): straight to the kernel below
-  // autograd. SwishFunction::apply would build a graph node first and only then find it unneeded.
+  // autograd, with no node built.
   if (!at::GradMode::is_enabled() || !x.requires_grad()) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto swish_forward_op = find_op<decltype(swish_forward)>("cuda_kernels::swish_forward");
     return swish_forward_op.call(x, beta);
   }
-  return SwishFunction::apply(x, beta);
+  // x only: the backward recomputes sigmoid(beta * x). Made contiguous here (below autograd, so the copy,
+  // if any, records no node of its own), so the backward's wrapper does not copy a strided x a second time.
+  const at::Tensor input = contiguous_for_saving(x);
+  at::Tensor y;
+  {
+    // Below autograd: the call goes on to the CPU/CUDA (or Meta) kernel instead of back to us.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    y = swish_forward_op.call(input, beta);
+  }
+  // The node: an edge to x's own gradient (its grad_fn, or its accumulator if x is a leaf), then made y's
+  // grad_fn (set_history); then what the backward needs.
+  auto node = new_node<SwishBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::set_history(y, node);
+  node->save(input);
+  node->beta = beta;
+  return y;
 }
 
 }  // namespace

@@ -44,10 +44,7 @@
 #include "binding.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/saved_variable.h>
 
 #ifdef KERNEL_LADDER_WITH_CUDA
 #include "driver_api.h"
@@ -291,26 +288,6 @@ std::shared_ptr<const TritonPlan> find_plan(int64_t number) {
   const auto found = plans.plans.find(number);
   TORCH_CHECK(found != plans.plans.end(), "run_triton_plan: no plan number ", number, " (released?)");
   return found->second;
-}
-
-// PyTorch 2.13 holds autograd nodes in c10::intrusive_ptr, earlier versions in std::shared_ptr (the course
-// runs on both): a new node, and a node's pointer to itself, in whichever this PyTorch uses.
-template <typename T, typename... Args>
-auto new_node(Args&&... args) {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
-    return c10::make_intrusive<T>(std::forward<Args>(args)...);
-  } else {
-    return std::make_shared<T>(std::forward<Args>(args)...);
-  }
-}
-
-template <typename T>
-auto pointer_to(T* node) {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
-    return c10::intrusive_ptr<torch::autograd::Node>::unsafe_reclaim_from_nonowning(node);
-  } else {
-    return node->shared_from_this();
-  }
 }
 
 constexpr const char* kSecondDerivative =

@@ -165,6 +165,27 @@ def test_a_second_derivative_raises_instead_of_coming_out_zero(component, config
 
 
 @pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("component,config,shape", [
+    ("swish", {"beta": 1.3}, (3, 6)), ("layer_norm", {"normalized_shape": 6}, (3, 6)),
+    ("rms_norm", {"normalized_shape": 6}, (3, 6)), ("softmax", {"dim": -1}, (3, 6)),
+    ("attention", {"causal": True}, (1, 2, 5, 8)), ("feed_forward", {"n_embd": 8}, (3, 8)),
+    ("linear_cross_entropy", {"n_embd": 8, "vocab_size": 16}, (3, 8)),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(component, config, shape, level, device):
+    """Our kernels have reverse-mode formulas only. An input with a forward-mode tangent (a dual tensor of
+    torch.autograd.forward_ad, as torch.func.jvp makes) must raise, not give an output without one, with or
+    without parameters that require grad."""
+    module = levels.build(component, level, **config).to(device=device, dtype=torch.float64)
+    inputs = module.example_inputs(shape, torch.float64, device)
+    for wants_parameter_gradients in (True, False):
+        module.requires_grad_(wants_parameter_gradients)
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(inputs[0], torch.randn_like(inputs[0]))
+            with pytest.raises(NotImplementedError, match="forward-mode AD is not implemented"):
+                module(dual, *inputs[1:])
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_linear_and_feed_forward_pass_float64_gradcheck(bias, level, device):
     backend = NAMESPACES[level][1]()

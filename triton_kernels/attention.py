@@ -32,7 +32,7 @@ import torch
 from .attention_backward import launch_attention_bwd, launch_attention_bwd_unchecked
 from .attention_forward import forward_launch, launch_attention_fwd
 from .attention_tiles import check_attention_shapes, empty_attention_output, empty_gradient
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import accumulator_dtype
 
 # --- registration: op, fake (shape-only), autograd ------------------------------------------------------
@@ -120,6 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     causal, window, scale = bool(causal), int(window), float(scale)
     if torch.compiler.is_compiling():
         return attention_forward(q, k, v, causal, window, scale)[0]
+    refuse_tangents("attention", q, k, v)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # No gradient wanted: skip autograd
         return launch_attention_fwd(q, k, v, causal, window, scale)[0]

@@ -4,6 +4,7 @@ doors). Autograd's C++ engine runs the graph either way; what this module trims 
 pays around it, which at decode sizes is most of a call (profiling/results/host_path.md)."""
 
 import torch
+from torch.autograd import forward_ad
 
 from . import replay
 from .launch import SignatureTable
@@ -12,6 +13,18 @@ _FUNCTION_APPLY_IN_CPP = torch._C._FunctionBase.__dict__["apply"]  # where Funct
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _grad_enabled = torch.is_grad_enabled
+
+
+def refuse_tangents(op: str, *tensors) -> None:
+    """Raise for inputs that carry a forward-mode tangent (torch.func.jvp, torch.autograd.forward_ad): our
+    kernels have no forward-mode formula, and an output without its tangent would be a silently wrong
+    answer. Only inside a dual level can a tensor have one, so every ordinary call reads one module global
+    and goes on."""
+    if forward_ad._current_level < 0:
+        return
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(f"triton_kernels.{op}: forward-mode AD is not implemented (an input has a tangent); "
+                                  "use reverse mode")
 
 
 def first_order_only(backward, plans: SignatureTable):

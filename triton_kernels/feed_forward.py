@@ -74,7 +74,7 @@ from typing import NamedTuple
 
 import torch
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import SignatureTable, check_contiguous, check_inputs, require
 from .matmul import Epilogue, MatmulLaunch, launch_column_sum, launch_matmul, plan_matmul
 
@@ -487,6 +487,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     x, weight, bias = _contiguous(x, weight, bias)
     if torch.compiler.is_compiling():
         return linear_forward(x, weight, bias)
+    refuse_tangents("linear", x, weight, bias)
     if not _wants_gradient(x, weight, bias):
         return launch_linear_fwd(x, weight, bias)  # no gradient wanted: skip autograd's bookkeeping
     return _LinearEager.apply(x, weight, bias)
@@ -501,6 +502,7 @@ def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor
     tensors = (x, _weight_as_is_or_contiguous(fc_weight), fc_bias, _weight_as_is_or_contiguous(proj_weight), proj_bias)
     if torch.compiler.is_compiling():
         return feed_forward_forward(*tensors)[0]
+    refuse_tangents("feed_forward", *tensors)
     if not _wants_gradient(*tensors):
         return launch_feed_forward_fwd(*tensors, save_for_backward=False)[0]  # no gradient: h is never written
     return _FeedForwardEager.apply(*tensors)

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import (
     L2_LOOPED_TILE,
     RowTile,
@@ -369,6 +369,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     the output (mean and rstd stay saved for the backward). torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return layer_norm_forward(x, weight, bias, float(eps))[0]
+    refuse_tangents("layer_norm", x, weight, bias)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)):
         # No gradient wanted: no autograd bookkeeping, and no statistics for a backward.
         return launch_layer_norm_fwd(x, weight, bias, float(eps), keep_statistics=False)[0]

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from cuda_kernels.host_copy import OnTheWayToHost
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import (
     LOOPED_ROW_BLOCK,
     accumulator_dtype,
@@ -359,6 +359,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     wants_gradient = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if torch.compiler.is_compiling():
         return linear_cross_entropy_forward(hidden, weight, targets, ignore_index, wants_gradient, chunk_rows)[0]
+    refuse_tangents("linear_cross_entropy", hidden, weight)
     if not wants_gradient:
         # no gradient wanted: skip autograd's bookkeeping, the gradient pass and 2/3 of the FLOPs
         return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, False, chunk_rows)[0]

@@ -26,7 +26,7 @@ Check
 
 import torch
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import accumulator_dtype, check_inputs
 from .layer_norm import check_norm_shapes, launch_norm_fwd
 from .layer_norm_backward import launch_norm_bwd_unchecked
@@ -116,6 +116,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     output (rstd stays saved for the backward). torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return rms_norm_forward(x, weight, float(eps))[0]
+    refuse_tangents("rms_norm", x, weight)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # No gradient wanted: no autograd bookkeeping, and no statistics for a backward.
         return launch_rms_norm_fwd(x, weight, float(eps), keep_statistics=False)[0]

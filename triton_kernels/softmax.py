@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import (SignatureTable, cdiv, check_contiguous, check_inputs, compute_dtype, exp_on_sfu, launch,
                      on_device, require, row_matrix, row_strategy, row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
@@ -330,6 +330,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return softmax_forward(x)
+    refuse_tangents("softmax", x)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return launch_softmax_fwd(x)  # no gradient wanted: skip autograd's bookkeeping
     return _SoftmaxEager.apply(x)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager import EagerFunction
+from .eager import EagerFunction, refuse_tangents
 from .launch import (
     check_contiguous,
     check_inputs,
@@ -181,6 +181,7 @@ def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
     """y = x · sigmoid(β·x) by our kernels, differentiable. torch.compile sees the registered op."""
     if torch.compiler.is_compiling():
         return swish_forward(x, float(beta))
+    refuse_tangents("swish", x)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return launch_swish_fwd(x, float(beta))  # no gradient wanted: skip autograd's bookkeeping
     return _SwishEager.apply(x, float(beta))
