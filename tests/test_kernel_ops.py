@@ -9,7 +9,7 @@ import torch
 from torch.func import functional_call
 
 import levels
-from levels.backends import cuda_backend, triton_backend
+from levels.backends import TORCHSCRIPT_DEPRECATION, cuda_backend, triton_backend
 
 from levels.spec import TOLERANCE, relative_max_error
 
@@ -164,13 +164,44 @@ def test_a_second_derivative_raises_instead_of_coming_out_zero(component, config
         first.sum().backward()
 
 
-@pytest.mark.parametrize("level,device", kernel_level_device_params())
-@pytest.mark.parametrize("component,config,shape", [
+DIFFERENTIABLE_OPS = [
     ("swish", {"beta": 1.3}, (3, 6)), ("layer_norm", {"normalized_shape": 6}, (3, 6)),
     ("rms_norm", {"normalized_shape": 6}, (3, 6)), ("softmax", {"dim": -1}, (3, 6)),
     ("attention", {"causal": True}, (1, 2, 5, 8)), ("feed_forward", {"n_embd": 8}, (3, 8)),
     ("linear_cross_entropy", {"n_embd": 8, "vocab_size": 16}, (3, 8)),
-], ids=lambda value: value if isinstance(value, str) else None)
+]
+"""Every component whose level 4 and 5 are one differentiable op, with a config and an input shape."""
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("component,config,shape", DIFFERENTIABLE_OPS,
+                         ids=lambda value: value if isinstance(value, str) else None)
+def test_saved_tensors_guard_the_backward(component, config, shape, level, device):
+    """The graph node keeps what its backward needs as saved tensors, as PyTorch's own nodes do: a second
+    backward without retain_graph, or a backward after a saved tensor was changed in place, raises
+    PyTorch's own error instead of computing from freed or stale memory."""
+    module = levels.build(component, level, **config).to(device=device, dtype=torch.float64)
+    inputs = module.example_inputs(shape, torch.float64, device)
+    leaf = inputs[0].clone().requires_grad_(True)
+    out = module(leaf * 1, *inputs[1:])
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+    if component == "linear_cross_entropy":
+        return  # it saves its own gradients, made in the forward: nothing a caller holds
+    x = leaf * 1  # not a leaf, so it may change in place after the forward
+    out = module(x, *inputs[1:])
+    (out if component == "softmax" else x).add_(1)  # softmax saves its output, the others their input
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# Forward AD's first use in a process makes PyTorch script its own jvp decompositions, which raises
+# TorchScript's deprecation notice: that one warning, and nothing else, is not the test's business.
+@pytest.mark.filterwarnings(f"ignore:{TORCHSCRIPT_DEPRECATION}:DeprecationWarning")
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+@pytest.mark.parametrize("component,config,shape", DIFFERENTIABLE_OPS,
+                         ids=lambda value: value if isinstance(value, str) else None)
 def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(component, config, shape, level, device):
     """Our kernels have reverse-mode formulas only. An input with a forward-mode tangent (a dual tensor of
     torch.autograd.forward_ad, as torch.func.jvp makes) must raise, not give an output without one, with or
