@@ -220,9 +220,9 @@ void refuse_tangents(const char* op, const Inputs&... inputs) {
 // backward needs as SavedVariables. torch::autograd::Function::apply does the same for any forward, and
 // pays for that generality on every call: metadata for every input and output, a set of non-differentiable
 // outputs, forward-mode bookkeeping through std::function objects, an IValue map for each number kept.
-// OpNode is the generated code's recipe, written once for our ops (swish_ops.cpp spells it out). Measured
-// on H200 hosts (profiling/results/h200/autograd-node-level5.md): through Function::apply a LayerNorm
-// forward with gradients took 3-6 us longer than F.layer_norm's; as an OpNode it is within 0.6 us of it.
+// OpNode is the generated code's recipe, written once for our ops (swish_ops.cpp spells it out). Through
+// Function::apply a LayerNorm forward with gradients took measurably longer on the host than F.layer_norm's;
+// as an OpNode it takes what PyTorch's own node takes (profiling/results/h200/autograd-node-level5.md).
 
 // PyTorch 2.13 holds autograd nodes in c10::intrusive_ptr, earlier versions in std::shared_ptr (the course
 // runs on both): a new node, and a node's pointer to itself, in whichever this PyTorch uses.
