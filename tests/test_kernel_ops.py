@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch.func import functional_call
 
 import levels
@@ -194,6 +195,26 @@ def test_saved_tensors_guard_the_backward(component, config, shape, level, devic
     (out if component == "softmax" else x).add_(1)  # softmax saves its output, the others their input
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("level,device", kernel_level_device_params())
+def test_saved_tensors_pass_through_autograds_hooks(level, device):
+    """Our nodes save through autograd's saved-tensor hooks, as PyTorch's own nodes do, so the tools built on
+    those hooks work with them: non-reentrant activation checkpointing, which drops what the forward saved
+    and recomputes it during the backward, leaves a transformer block's gradients as they were."""
+    torch.manual_seed(0)
+    block = levels.build("transformer_block", level, n_embd=32, n_head=2).to(device=device, dtype=torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64, device=device, requires_grad=True)
+    inputs = (x, *block.parameters())
+    direction = torch.randn_like(x)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: packed.append(tensor) or tensor, lambda tensor: tensor):
+        block.ln_1(x)
+    assert packed, "the LayerNorm's node saved nothing through the hooks"
+    expected = torch.autograd.grad(block(x), inputs, direction)
+    checkpointed = torch.autograd.grad(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False), inputs, direction)
+    for got, wanted in zip(checkpointed, expected):
+        assert relative_max_error(got, wanted) <= TOLERANCE[torch.float64]
 
 
 # Forward AD's first use in a process makes PyTorch script its own jvp decompositions, which raises
