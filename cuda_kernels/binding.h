@@ -244,26 +244,38 @@ auto pointer_to(T* node) {
   }
 }
 
+// A node that keeps what its backward needs as SavedVariables: the base of OpNode (below) and of level 4's
+// replay node (triton_replay.cpp). A SavedVariable checks, when unpacked, that nobody changed the tensor in
+// place meanwhile, goes through autograd's saved-tensor hooks (activation checkpointing, offloading), and
+// is freed by release_variables once a backward without retain_graph has used it.
+struct SavingNode : torch::autograd::Node {
+  std::vector<torch::autograd::SavedVariable> saved;
+
+  // is_output: a tensor this node is the grad_fn of, kept without that link (a node holding its own output
+  // would be a cycle).
+  void save(const at::Tensor& tensor, bool is_output = false) { saved.emplace_back(tensor, is_output); }
+
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);  // apply holds it too: no release under a running backward
+    for (auto& variable : saved) variable.reset_data();
+  }
+
+ protected:
+  // Appends the saved tensors, in the order saved, to `tensors`. Call from apply, with mutex_ held.
+  void unpack_saved_into(std::vector<at::Tensor>& tensors) {
+    const auto self = pointer_to(this);
+    for (const auto& variable : saved) tensors.push_back(variable.unpack(self));
+  }
+};
+
 // The node of one op call. Derived names itself (kName) and computes the inputs' gradients:
 //   torch::autograd::variable_list gradients(const at::Tensor& grad, const std::vector<at::Tensor>& saved)
 // from the output's gradient and the saved tensors (in the order saved), one entry per tensor input (in
 // the order given to record_node), undefined where none is wanted (gradient_if_needed). Numbers the
 // backward needs are Derived's own members.
 template <typename Derived>
-struct OpNode : torch::autograd::Node {
-  std::vector<torch::autograd::SavedVariable> saved;
-
+struct OpNode : SavingNode {
   std::string name() const override { return Derived::kName; }
-
-  // A SavedVariable checks, when unpacked, that nobody changed the tensor in place meanwhile, and is
-  // freed by release_variables once a backward without retain_graph has used it. is_output: a tensor this
-  // node is the grad_fn of, kept without that link (a node holding its own output would be a cycle).
-  void save(const at::Tensor& tensor, bool is_output = false) { saved.emplace_back(tensor, is_output); }
-
-  void release_variables() override {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& variable : saved) variable.reset_data();
-  }
 
   // The gradient of the `index`-th tensor input if this backward is asked for it (it requires grad, and
   // torch.autograd.grad, if that is the caller, names it), else an undefined tensor (None).
@@ -272,13 +284,12 @@ struct OpNode : torch::autograd::Node {
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    const std::lock_guard<std::mutex> lock(mutex_);  // a backward on another thread may release `saved`
+    const std::lock_guard<std::mutex> lock(mutex_);
     // No gradient reached the output (a zero one): none goes on to the inputs either.
     if (!grads[0].defined()) return torch::autograd::variable_list(num_outputs());
-    const auto self = pointer_to(this);
     std::vector<at::Tensor> tensors;
     tensors.reserve(saved.size());
-    for (const auto& variable : saved) tensors.push_back(variable.unpack(self));
+    unpack_saved_into(tensors);
     return static_cast<Derived*>(this)->gradients(grads[0], tensors);
   }
 };

@@ -61,7 +61,6 @@
 namespace kernel_ladder {
 namespace {
 
-using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 // A kernel parameter's source (the first of each (kind, value) pair in a launch).
@@ -294,18 +293,13 @@ constexpr const char* kSecondDerivative =
     "trying to differentiate twice a function that was marked with @once_differentiable: level 4's backward "
     "kernels compute first derivatives only";
 
-struct TritonBackward : torch::autograd::Node {
+struct TritonBackward : SavingNode {
   std::shared_ptr<const TritonPlan> plan;
-  std::vector<SavedVariable> saved;
 
   std::string name() const override { return "TritonBackward"; }
 
-  void release_variables() override {
-    for (auto& variable : saved) variable.reset_data();
-  }
-
   variable_list apply(variable_list&& grads) override {
-    const auto self = pointer_to(this);
+    const std::lock_guard<std::mutex> lock(mutex_);
     // (Autograd has matched the gradient's sizes to the output's.)
     at::Tensor grad = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
     // A gradient laid out otherwise than the recorded one (its kernels may read its strides as recorded
@@ -317,7 +311,7 @@ struct TritonBackward : torch::autograd::Node {
     std::vector<at::Tensor> slots;
     slots.reserve(plan->backward.slots(1 + static_cast<int64_t>(saved.size())));
     slots.push_back(grad);
-    for (const auto& variable : saved) slots.push_back(variable.unpack(self));
+    unpack_saved_into(slots);
     plan->backward.run(slots, slots[0].options());
     variable_list result;
     result.reserve(plan->input_gradients.size());
@@ -364,7 +358,7 @@ at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments
   node->set_next_edges(std::move(edges));
   torch::autograd::set_history(output, node);
   node->saved.reserve(plan->saved.size());
-  for (int64_t slot : plan->saved) node->saved.emplace_back(slots[slot], /*is_output=*/slot == plan->output);
+  for (int64_t slot : plan->saved) node->save(slots[slot], /*is_output=*/slot == plan->output);
   return output;
 }
 
