@@ -26,10 +26,20 @@
 //         output laid out (B, L, H, D) and returned as (B, H, L, D), a reshape);
 //       a launch: [CUfunction, grid x, grid y, grid z, threads, shared bytes, then (kind, value) per kernel
 //         parameter], kinds as ParameterKind below.
-//   cuda_kernels::run_triton_plan(Tensor?[] arguments, int plan) -> Tensor
+//   cuda_kernels::run_triton_plan(int function, Tensor?[] tensors, float[] numbers, int plan) -> Tensor
 //     the forward, and (when grad mode is on and an argument requires grad) the output's grad_fn: a
 //     TritonBackward node, which keeps the saved slots as SavedVariables (so an in-place change of a saved
-//     tensor, or a second backward, raises PyTorch's own error).
+//     tensor, or a second backward, raises PyTorch's own error). The call's arguments are `tensors` (None
+//     for an absent one) followed by `numbers` (each a slot that holds no tensor). It also remembers the
+//     call's key (below) for `function`, a level-4 op's number, so that its next call alike is found here.
+//   cuda_kernels::run_known_triton_call(int function, Tensor?[] tensors, float[] numbers) -> Tensor?
+//     the same for a call whose key was remembered, or None: then Python takes the call (records it, or
+//     runs a plan it holds through run_triton_plan, which remembers the key).
+//     The key is what replay.py's signature reads, worked out here: per tensor its sizes, strides, dtype,
+//     device, requires_grad, address modulo 16 and dispatch keys (a functorch wrapper's differ from a plain
+//     tensor's, so it keeps Python's path, which unwraps it); per number its bits.
+//     In Python that signature, a dict lookup and the list for the op took 7 us of a GPU host's time at
+//     every call, more than the op itself spends launching (profiling/results/h200/replay-known-calls.md).
 //   cuda_kernels::release_triton_plan(int plan) -> ()
 //     forgets a plan (nodes already made keep theirs).
 //
@@ -51,6 +61,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -331,17 +342,71 @@ struct TritonBackward : SavingNode {
   }
 };
 
-at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments, int64_t number) {
-  const std::shared_ptr<const TritonPlan> plan = find_plan(number);
-  TORCH_CHECK(arguments.size() == plan->input_gradients.size(), "run_triton_plan: plan ", number, " takes ",
-              plan->input_gradients.size(), " arguments, got ", arguments.size());
+// What a call of a level-4 op depends on (see the top of this file), as numbers.
+using CallKey = std::vector<int64_t>;
+
+struct CallKeyHash {
+  size_t operator()(const CallKey& key) const noexcept {
+    uint64_t hash = 0xcbf29ce484222325ULL;  // FNV-1a over the key's words: cheap, and keys differ in a few words
+    for (const int64_t word : key) hash = (hash ^ static_cast<uint64_t>(word)) * 0x100000001b3ULL;
+    return static_cast<size_t>(hash);
+  }
+};
+
+// None for a tensor without storage (a wrapper tensor's data lives elsewhere): no plan reads it.
+std::optional<CallKey> call_key(int64_t function, const c10::List<std::optional<at::Tensor>>& tensors,
+                                c10::ArrayRef<double> numbers) {
+  CallKey key{function, static_cast<int64_t>(tensors.size()), static_cast<int64_t>(numbers.size())};
+  key.reserve(3 + tensors.size() * 12 + numbers.size());
+  for (const std::optional<at::Tensor>& maybe : tensors) {
+    if (!maybe.has_value() || !maybe->defined()) {
+      key.push_back(-1);
+      continue;
+    }
+    const at::Tensor& tensor = *maybe;
+    if (!tensor.has_storage()) return std::nullopt;
+    key.push_back(tensor.dim());
+    key.insert(key.end(), tensor.sizes().begin(), tensor.sizes().end());
+    key.insert(key.end(), tensor.strides().begin(), tensor.strides().end());
+    key.push_back((static_cast<int64_t>(tensor.scalar_type()) << 16) | (static_cast<int64_t>(tensor.device().type()) << 8) |
+                  static_cast<uint8_t>(tensor.device().index()));
+    key.push_back((tensor.requires_grad() ? 16 : 0) | static_cast<int64_t>(reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) % 16));
+    key.push_back(static_cast<int64_t>(tensor.key_set().raw_repr()));
+  }
+  for (const double number : numbers) {
+    int64_t bits;
+    std::memcpy(&bits, &number, sizeof bits);
+    key.push_back(bits);
+  }
+  return key;
+}
+
+// The plan number of each call key seen, read by every thread that calls a level-4 op. Plans are forgotten
+// by Python (release_triton_plan); a key whose plan is gone is dropped when next looked up. At most
+// kMostKnownCalls keys: past that (a loop over ever-new shapes) the table starts again, as Python's does.
+struct KnownCalls {
+  std::mutex lock;
+  std::unordered_map<CallKey, int64_t, CallKeyHash> plans;
+};
+constexpr size_t kMostKnownCalls = 4096;
+
+KnownCalls& known_calls() {
+  static KnownCalls instance;
+  return instance;
+}
+
+at::Tensor run_plan(const std::shared_ptr<const TritonPlan>& shared_plan, const c10::List<std::optional<at::Tensor>>& tensors,
+                    size_t numbers) {
+  const TritonPlan& plan = *shared_plan;
+  TORCH_CHECK(tensors.size() + numbers == plan.input_gradients.size(), "run_triton_plan: the plan takes ",
+              plan.input_gradients.size(), " arguments, got ", tensors.size(), " tensors and ", numbers, " numbers");
   std::vector<at::Tensor> slots;
-  slots.reserve(plan->forward.slots(static_cast<int64_t>(arguments.size())));
+  slots.reserve(plan.forward.slots(static_cast<int64_t>(plan.input_gradients.size())));
   torch::autograd::edge_list edges;
-  edges.reserve(arguments.size());
+  edges.reserve(plan.input_gradients.size());
   std::optional<at::TensorOptions> options;  // the first tensor argument's: where the buffers go
   bool differentiable = false;
-  for (const std::optional<at::Tensor>& argument : arguments) {
+  for (const std::optional<at::Tensor>& argument : tensors) {
     slots.push_back(argument.has_value() ? *argument : at::Tensor());
     const at::Tensor& slot = slots.back();
     if (slot.defined() && !options) options = slot.options();
@@ -349,19 +414,55 @@ at::Tensor run_triton_plan(const c10::List<std::optional<at::Tensor>>& arguments
     edges.push_back(tracked ? torch::autograd::impl::gradient_edge(slot) : torch::autograd::Edge());
     differentiable = differentiable || tracked;
   }
+  slots.resize(plan.input_gradients.size());  // the numbers' slots, which hold no tensor
+  edges.resize(plan.input_gradients.size());
   TORCH_CHECK(options.has_value(), "run_triton_plan: no tensor among the arguments");
-  plan->forward.run(slots, *options);
-  at::Tensor output = slots[plan->output];
+  plan.forward.run(slots, *options);
+  at::Tensor output = slots[plan.output];
   if (!differentiable || !at::GradMode::is_enabled()) return output;
   auto node = new_node<TritonBackward>();
-  node->plan = plan;
+  node->plan = shared_plan;
   node->set_next_edges(std::move(edges));
   torch::autograd::set_history(output, node);
-  node->saved.reserve(plan->saved.size());
-  for (int64_t slot : plan->saved) node->save(slots[slot], /*is_output=*/slot == plan->output);
+  node->saved.reserve(plan.saved.size());
+  for (int64_t slot : plan.saved) node->save(slots[slot], /*is_output=*/slot == plan.output);
   return output;
 }
 
+at::Tensor run_triton_plan(int64_t function, const c10::List<std::optional<at::Tensor>>& tensors,
+                           c10::ArrayRef<double> numbers, int64_t number) {
+  const std::shared_ptr<const TritonPlan> plan = find_plan(number);
+  at::Tensor output = run_plan(plan, tensors, numbers.size());
+  std::optional<CallKey> key = call_key(function, tensors, numbers);
+  if (!key) return output;
+  KnownCalls& known = known_calls();
+  const std::lock_guard<std::mutex> hold(known.lock);
+  if (known.plans.size() >= kMostKnownCalls) known.plans.clear();
+  known.plans.insert_or_assign(std::move(*key), number);
+  return output;
+}
+
+std::optional<at::Tensor> run_known_triton_call(int64_t function, const c10::List<std::optional<at::Tensor>>& tensors,
+                                                c10::ArrayRef<double> numbers) {
+  const std::optional<CallKey> key = call_key(function, tensors, numbers);
+  if (!key) return std::nullopt;
+  std::shared_ptr<const TritonPlan> plan;
+  {
+    KnownCalls& known = known_calls();
+    const std::lock_guard<std::mutex> hold(known.lock);
+    const auto found = known.plans.find(*key);
+    if (found == known.plans.end()) return std::nullopt;
+    PlanRegistry& registry_of_plans = registry();
+    const std::lock_guard<std::mutex> hold_plans(registry_of_plans.lock);
+    const auto kept = registry_of_plans.plans.find(found->second);
+    if (kept == registry_of_plans.plans.end()) {  // released by Python since: Python records the call again
+      known.plans.erase(found);
+      return std::nullopt;
+    }
+    plan = kept->second;
+  }
+  return run_plan(plan, tensors, numbers.size());
+}
 }  // namespace
 }  // namespace kernel_ladder
 
@@ -372,5 +473,8 @@ TORCH_LIBRARY_FRAGMENT(cuda_kernels, m) {
         "int[][] backward_launches, int[] input_gradients) -> int",
         &kernel_ladder::make_triton_plan);
   m.def("release_triton_plan(int plan) -> ()", &kernel_ladder::release_triton_plan);
-  m.def("run_triton_plan(Tensor?[] arguments, int plan) -> Tensor", &kernel_ladder::run_triton_plan);
+  m.def("run_triton_plan(int function, Tensor?[] tensors, float[] numbers, int plan) -> Tensor",
+        &kernel_ladder::run_triton_plan);
+  m.def("run_known_triton_call(int function, Tensor?[] tensors, float[] numbers) -> Tensor?",
+        &kernel_ladder::run_known_triton_call);
 }

@@ -723,7 +723,7 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
             [], [2, 3, -1])
     number = ops.make_triton_plan.default(*plan)
     x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
-    out = ops.run_triton_plan.default([x, weight, None], number)
+    out = ops.run_triton_plan.default(0, [x, weight], [1.0], number)
     assert out.shape == (4, 8) and out.stride() == (1, 4) and out.grad_fn.name() == "TritonBackward"
     assert [node.name() if node else None for node, _ in out.grad_fn.next_functions] == [
         "torch::autograd::AccumulateGrad", "torch::autograd::AccumulateGrad", None]
@@ -732,19 +732,19 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         out.backward(torch.ones(4, 8))
     with torch.no_grad():
-        assert ops.run_triton_plan.default([x, weight, None], number).grad_fn is None
+        assert ops.run_triton_plan.default(0, [x, weight], [1.0], number).grad_fn is None
     y = x * 1.0
-    out = ops.run_triton_plan.default([y, weight, None], number)
+    out = ops.run_triton_plan.default(0, [y, weight], [1.0], number)
     y.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward(torch.ones(4, 8))
     direction = torch.ones(4, 8, requires_grad=True)
-    (first,) = torch.autograd.grad(ops.run_triton_plan.default([x, weight, None], number), x, direction, create_graph=True)
+    (first,) = torch.autograd.grad(ops.run_triton_plan.default(0, [x, weight], [1.0], number), x, direction, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         first.sum().backward()
     ops.release_triton_plan.default(number)
     with pytest.raises(RuntimeError, match="no plan number"):
-        ops.run_triton_plan.default([x, weight, None], number)
+        ops.run_triton_plan.default(0, [x, weight], [1.0], number)
     transposed_x = [0, 0, 2, 4, 8, 1, 4]  # a view of an argument: slot 5 after out's transpose
     for changes, message in [({3: 2}, "the output must be a forward allocation or a view of one"),
                              ({1: [transposed_x]}, "the output must be a forward allocation"),
@@ -755,6 +755,43 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
             ops.make_triton_plan.default(*[changes.get(position, part) for position, part in enumerate(plan)])
 
 
+def test_a_call_alike_finds_its_plan_in_cpp_and_any_other_call_does_not():
+    """``run_known_triton_call``: after ``run_triton_plan`` ran a call, a call alike (same function, tensors
+    alike in what a launch depends on, same numbers) runs the plan without Python; any other call gets None,
+    and so does every call once Python released the plan."""
+    ops = _extension_ops()
+    plan = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4], [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [],
+            [], [2, 3, -1])  # as in the test above: out (4, 8), the transpose of an (8, 4) buffer
+    number = ops.make_triton_plan.default(*plan)
+    function = 1000 + number  # a function number no level-4 op has
+    x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    assert ops.run_known_triton_call.default(function, [x, weight], [1.0]) is None  # not run yet
+    ops.run_triton_plan.default(function, [x, weight], [1.0], number)
+    out = ops.run_known_triton_call.default(function, [x.detach().clone().requires_grad_(), weight], [1.0])
+    assert out.shape == (4, 8) and out.grad_fn.name() == "TritonBackward"
+    out.backward(torch.ones(4, 8))
+    unaligned = torch.randn(8 * 4 + 1)[1:].view(8, 4)
+    for tensors, numbers, what in [([x, weight], [2.0], "another number"),
+                                   ([x.detach(), weight], [1.0], "an argument that does not require grad"),
+                                   ([x.t().contiguous().t(), weight], [1.0], "other strides"),
+                                   ([x.double(), weight], [1.0], "another dtype"),
+                                   ([unaligned.requires_grad_(), weight], [1.0], "another address modulo 16"),
+                                   ([x, None], [1.0], "an absent tensor"),
+                                   ([_escaped_functorch_wrapper(x), weight], [1.0], "a dead functorch wrapper")]:
+        assert ops.run_known_triton_call.default(function, tensors, numbers) is None, what
+    assert ops.run_known_triton_call.default(function + 1, [x, weight], [1.0]) is None  # another function
+    ops.release_triton_plan.default(number)
+    assert ops.run_known_triton_call.default(function, [x, weight], [1.0]) is None
+
+
+def _escaped_functorch_wrapper(x: torch.Tensor) -> torch.Tensor:
+    """What ``torch.func.grad`` made of ``x`` inside its transform, kept past it: a dead wrapper, which an op
+    called outside the transform gets if user code hands it on."""
+    inside = []
+    torch.func.grad(lambda tensor: inside.append(tensor) or tensor.sum())(x.detach())
+    return inside[0]
+
+
 def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_the_op(compiled_scale_kernel,
                                                                                       monkeypatch):
     """The whole path through ``eager.EagerFunction``, on the CPU: the first call is recorded, the signature
@@ -763,7 +800,7 @@ def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_th
     ops = _extension_ops()
     monkeypatch.setattr(replay, "REPLAY", True)
     monkeypatch.setattr(replay, "_extension", lambda: (ops.make_triton_plan.default, ops.run_triton_plan.default,
-                                                       ops.release_triton_plan.default))
+                                                       ops.release_triton_plan.default, ops.run_known_triton_call.default))
     eager = importlib.import_module("triton_kernels.eager")
 
     class ScaleEager(eager.EagerFunction):  # a level-4 op's shape: allocate, launch, save
@@ -784,9 +821,9 @@ def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_th
 
     x = torch.randn(64, requires_grad=True)
     signature = replay.signature([x, 1.5])
-    out = ScaleEager.apply(x, 1.5)
+    out = ScaleEager.call((x,), (1.5,))
     assert isinstance(ScaleEager._replay_plans[signature], replay.Pending)
-    ScaleEager.apply(x, 1.5)  # before any backward: the Python path, not recorded again
+    ScaleEager.call((x,), (1.5,))  # before any backward: the Python path, not recorded again
     assert len(compiled_scale_kernel.recorder.launches) + len(compiled_scale_kernel.recorder.jit_calls) == 2
     assert replay.plans()["ScaleEager"] == {"replayed": 0, "pending": 1, "refused": []}
     out.backward(torch.ones(64))
@@ -794,7 +831,7 @@ def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_th
     assert isinstance(ScaleEager._replay_plans[signature], replay.Plan), ScaleEager._replay_plans[signature]
     assert replay.plans()["ScaleEager"] == {"replayed": 1, "pending": 0, "refused": []}
     with pytest.raises(RuntimeError, match="launches CUDA kernels; got tensors on cpu"):
-        ScaleEager.apply(x, 1.5)
+        ScaleEager.call((x,), (1.5,))
 
 
 def _node_names(output: torch.Tensor) -> set[str]:

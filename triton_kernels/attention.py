@@ -124,4 +124,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, w
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # No gradient wanted: skip autograd
         return launch_attention_fwd(q, k, v, causal, window, scale)[0]
-    return _AttentionEager.apply(q, k, v, causal, window, scale)
+    return _AttentionEager.call((q, k, v), (causal, window, scale))

@@ -3,6 +3,8 @@ gradient is wanted and torch.compile is not tracing (``triton_kernels/__init__.p
 doors). Autograd's C++ engine runs the graph either way; what this module trims is the Python each call
 pays around it, which at decode sizes is most of a call (profiling/results/host_path.md)."""
 
+import itertools
+
 import torch
 from torch.autograd import forward_ad
 
@@ -13,6 +15,7 @@ _FUNCTION_APPLY_IN_CPP = torch._C._FunctionBase.__dict__["apply"]  # where Funct
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _grad_enabled = torch.is_grad_enabled
+_FUNCTION_NUMBERS = itertools.count()
 
 
 def refuse_tangents(op: str, *tensors) -> None:
@@ -57,16 +60,19 @@ class _EagerFunctionMeta(torch.autograd.function.FunctionMeta):
         super().__init__(name, bases, attrs)
         cls._apply_in_cpp = _FUNCTION_APPLY_IN_CPP.__get__(None, cls)
         cls._replay_plans = SignatureTable()  # signature -> replay.Plan, Pending or Refused
+        cls._replay_number = next(_FUNCTION_NUMBERS)  # the C++ op's name for this Function's calls
         cls._backward_cls.apply = first_order_only(cls.backward, cls._replay_plans)
 
 
 class EagerFunction(torch.autograd.Function, metaclass=_EagerFunctionMeta):
     """The ``torch.autograd.Function`` behind each level-4 op's eager call (see ``__init__.py``), with the
-    same meaning and less Python per call, forward and backward.
+    same meaning and less Python per call, forward and backward. Package functions call
+    ``call(tensors, numbers)``: the op's tensor arguments (None for an absent one), then its numbers, which
+    its ``forward`` takes in that order.
 
     Forward: ``Function.apply`` asks whether ``setup_context`` is defined (it is not, here), and maps a
     pytree over the arguments to unwrap dead functorch wrappers, before it calls autograd's C++ ``apply``.
-    This ``apply`` unwraps the tensors in one comprehension and calls the C++ ``apply`` itself. Under a
+    ``call`` unwraps the tensors in one comprehension and calls the C++ ``apply`` itself. Under a
     functorch transform (vmap, grad, ...) it takes ``Function.apply``'s path.
 
     Backward: the engine calls the graph node's ``apply``, which in PyTorch is Python that looks up
@@ -76,19 +82,25 @@ class EagerFunction(torch.autograd.Function, metaclass=_EagerFunctionMeta):
     ``backward`` (never ``vjp``), and it is first-order only.
 
     On a GPU, a signature whose first forward and backward were recorded replayable (``replay``) skips
-    all of this: its later calls are one C++ op, and their backward a C++ node."""
+    all of this: its later calls are one C++ op, which finds the call's plan itself, and their backward a
+    C++ node."""
 
     @classmethod
-    def apply(cls, *args):
+    def call(cls, tensors: tuple, numbers: tuple = ()):
         if _functorch_transforms_active():
-            return super().apply(*args)
-        args = [_unwrap_if_dead(arg) if isinstance(arg, torch.Tensor) else arg for arg in args]
+            return cls.apply(*tensors, *numbers)
+        if replay.REPLAY:
+            known = replay.run_known(cls._replay_number, tensors, numbers)
+            if known is not None:
+                return known
+        tensors = [_unwrap_if_dead(tensor) if tensor is not None else None for tensor in tensors]
         if not replay.REPLAY:
-            return cls._apply_in_cpp(*args)
+            return cls._apply_in_cpp(*tensors, *numbers)
+        args = (*tensors, *numbers)
         signature = replay.signature(args)
         plan = cls._replay_plans.get(signature)
         if plan.__class__ is replay.Plan:
-            return replay.run(args, plan)
+            return replay.run(cls._replay_number, tensors, numbers, plan)
         if plan is None:
             return replay.record_forward(cls, args, signature, cls._replay_plans)
         if plan.__class__ is replay.Pending:

@@ -490,7 +490,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     refuse_tangents("linear", x, weight, bias)
     if not _wants_gradient(x, weight, bias):
         return launch_linear_fwd(x, weight, bias)  # no gradient wanted: skip autograd's bookkeeping
-    return _LinearEager.apply(x, weight, bias)
+    return _LinearEager.call((x, weight, bias))
 
 
 def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None, proj_weight: torch.Tensor,
@@ -505,4 +505,4 @@ def feed_forward(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor
     refuse_tangents("feed_forward", *tensors)
     if not _wants_gradient(*tensors):
         return launch_feed_forward_fwd(*tensors, save_for_backward=False)[0]  # no gradient: h is never written
-    return _FeedForwardEager.apply(*tensors)
+    return _FeedForwardEager.call(tensors)

@@ -373,4 +373,4 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)):
         # No gradient wanted: no autograd bookkeeping, and no statistics for a backward.
         return launch_layer_norm_fwd(x, weight, bias, float(eps), keep_statistics=False)[0]
-    return _LayerNormEager.apply(x, weight, bias, float(eps))
+    return _LayerNormEager.call((x, weight, bias), (float(eps),))

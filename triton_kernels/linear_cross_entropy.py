@@ -363,4 +363,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if not wants_gradient:
         # no gradient wanted: skip autograd's bookkeeping, the gradient pass and 2/3 of the FLOPs
         return launch_linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, False, chunk_rows)[0]
-    return _LinearCrossEntropyEager.apply(hidden, weight, targets, ignore_index, chunk_rows)
+    return _LinearCrossEntropyEager.call((hidden, weight, targets), (ignore_index, chunk_rows))

@@ -29,7 +29,10 @@ How (``eager.EagerFunction`` calls it):
    kept: the next call of the signature is recorded instead.
 3. Every later call of a replayable signature is ``cuda_kernels::run_triton_plan`` (level 5's
    extension, ``cuda_kernels/triton_replay.cpp``): the forward, and an output whose ``grad_fn`` is a C++
-   node that replays the backward.
+   node that replays the backward. The op remembers the call's key (the signature, worked out in C++), and
+   from then on a call alike is found by ``cuda_kernels::run_known_triton_call`` before any of this
+   module's Python runs: working out the signature in Python, the lookup and the op's argument list cost
+   a GPU host 7 µs a call (profiling/results/h200/replay-known-calls.md).
 
 Each launch's parameters are checked against the kernel's PTX (what Triton's launcher passes: the
 non-constexpr arguments, then its scratch pointers), so a Triton whose calling convention differs is
@@ -114,7 +117,8 @@ class Plan:
 
 @functools.cache
 def _extension():
-    """(make_triton_plan, run_triton_plan, release_triton_plan) from level 5's extension, built on first use;
+    """(make_triton_plan, run_triton_plan, release_triton_plan, run_known_triton_call) from level 5's extension,
+    built on first use;
     None (and a note, once) where it has no CUDA kernels: then every level-4 call stays in Python."""
     try:
         import cuda_kernels.ops as extension
@@ -126,7 +130,8 @@ def _extension():
         print(f"triton_kernels: level 4's calls stay in Python (no C++ op to replay them): {why}", file=sys.stderr)
         return None
     ops = torch.ops.cuda_kernels
-    return ops.make_triton_plan.default, ops.run_triton_plan.default, ops.release_triton_plan.default
+    return (ops.make_triton_plan.default, ops.run_triton_plan.default, ops.release_triton_plan.default,
+            ops.run_known_triton_call.default)
 
 
 def plans() -> dict[str, dict]:
@@ -144,9 +149,17 @@ def plans() -> dict[str, dict]:
     return report
 
 
-def run(args, plan: Plan) -> torch.Tensor:
-    """The output of a call of a recorded signature, by the C++ op."""
-    return _extension()[1]([arg if isinstance(arg, torch.Tensor) else None for arg in args], plan.number)
+def run(function: int, tensors, numbers, plan: Plan) -> torch.Tensor:
+    """The output of a call of a recorded signature, by the C++ op, which remembers the call's key for
+    ``function`` (an ``EagerFunction``'s number): its next call alike is ``run_known``'s."""
+    return _extension()[1](function, tensors, numbers, plan.number)
+
+
+def run_known(function: int, tensors, numbers) -> torch.Tensor | None:
+    """The output of a call whose key the C++ op remembers (``run``), by the C++ op; None for any other
+    call, or where there is no C++ op."""
+    extension = _extension()
+    return None if extension is None else extension[3](function, tensors, numbers)
 
 
 def record_forward(function, args, call_signature: tuple, plans) -> torch.Tensor:

@@ -120,4 +120,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # No gradient wanted: no autograd bookkeeping, and no statistics for a backward.
         return launch_rms_norm_fwd(x, weight, float(eps), keep_statistics=False)[0]
-    return _RMSNormEager.apply(x, weight, float(eps))
+    return _RMSNormEager.call((x, weight), (float(eps),))

@@ -184,4 +184,4 @@ def swish(x: torch.Tensor, beta: float) -> torch.Tensor:
     refuse_tangents("swish", x)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return launch_swish_fwd(x, float(beta))  # no gradient wanted: skip autograd's bookkeeping
-    return _SwishEager.apply(x, float(beta))
+    return _SwishEager.call((x,), (float(beta),))
