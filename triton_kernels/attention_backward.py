@@ -32,6 +32,7 @@ Launch
     (see BACKWARD_TILES). float32 and float64 take the forward's ``wide_float_tile`` for both kernels.
 
 Measured (H100 80GB HBM3, Triton 3.6, bfloat16, causal, batch 4, 16 heads, seq 4096, head_dim 128)
+    with the 4-warp dk, dv tile of 64 keys (before the H200's measurement in BACKWARD_TILES):
     dk, dv 1.55 ms (356 TFLOP/s of its four matmuls), dq 0.79 ms (525 TFLOP/s of its three); forward
     and backward through autograd 2.99 ms against 3.61 ms for PyTorch SDPA on its flash backend
     (×1.21). Two runs of the backward give identical bits.
@@ -90,13 +91,18 @@ BACKWARD_TILES = {
     16: BackwardTiles(AttentionTile(32, 128, 4, 3), AttentionTile(64, 64, 4, 3)),
     32: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
     64: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(64, 64, 4, 3)),
-    128: BackwardTiles(AttentionTile(32, 64, 4, 3), AttentionTile(128, 64, 8, 3)),
+    128: BackwardTiles(AttentionTile(64, 128, 8, 3), AttentionTile(128, 64, 8, 3)),
     256: BackwardTiles(AttentionTile(32, 32, 8, 2), AttentionTile(64, 32, 8, 2)),
 }
 """Backward tiles for float16 and bfloat16, per head dim, measured on an H100 (batch 4, 16 heads,
-seq 4096, causal, bfloat16). A dk, dv program holds two float32 (block_n, head_dim) accumulators
-besides k and v, so its key block stays at 64 (128 at head_dim 16) and its query steps are small:
-at head_dim 128, (32 queries, 64 keys, 4 warps) ran 1.55 ms, 8 warps 3.58 ms, 64-query steps 2.55 ms.
+seq 4096, causal, bfloat16) and at head_dim 128 on an H200. A dk, dv program holds two float32
+(block_n, head_dim) accumulators besides k and v, so at 4 warps its key block stays at 64 (128 at
+head_dim 16) and its query steps are small. At head_dim 128, 8 warps hold 128 keys: (64 queries a step,
+128 keys, 8 warps, 3 stages), about 160 KB of shared memory for k, v and three stages of q, do, ran the
+backward in 1.15 ms at (2, 16, 4096, 128) on an H200, against 1.28 ms for (32, 64, 4, 3), the H100's
+choice, 1.21 ms in 2 stages, 1.31 ms with 128-query steps and 1.64 ms with 64 keys at 8 warps
+(profiling/results/h200/attention-backward-tiles-128.md). At head_dim 64 the 4-warp tile stays: eight
+others took 1.39-2.18 ms against its 1.32-1.36 at (16, 16, 2048, 64).
 The dq program holds one float32 (block_m, head_dim) accumulator: 128 queries at head_dim 128 against
 64-key blocks, 64 queries of 4 warps up to head_dim 64, where twice the programs beat 128-query ones of 8
 warps (profiling/results/h100/attention-backward-tiles.md).
