@@ -463,6 +463,7 @@ std::optional<at::Tensor> run_known_triton_call(int64_t function, const c10::Lis
   }
   return run_plan(plan, tensors, numbers.size());
 }
+
 }  // namespace
 }  // namespace kernel_ladder
 

@@ -869,13 +869,19 @@ _REPLAYED = [("swish", {"beta": 1.3}, (8, 768)), ("layer_norm", {"normalized_sha
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("component,config,shape", _REPLAYED,
                          ids=[f"{c}-{'x'.join(map(str, s))}" for c, _, s in _REPLAYED])
-def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, config, shape, dtype):
+def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, config, shape, dtype, monkeypatch):
     module, reference = build_pair(component, "triton", config, "cuda", dtype)
     inputs = make_inputs(module, shape, dtype, "cuda")
     assert "TritonBackward" not in _node_names(module(*(x.requires_grad_() for x in inputs)))  # not recorded yet
     for _ in range(4):  # the first backward runs in Python and is recorded; fresh inputs each time after it
         names = _fresh_fwd_bwd_matches(module, reference, shape, dtype)
     assert "TritonBackward" in names, replay.plans()
+
+    def python_signature(args):
+        raise AssertionError("a call alike to a replayed one reached Python's lookup")
+
+    monkeypatch.setattr(replay, "signature", python_signature)  # the C++ op finds the call's plan itself
+    assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype)
 
 
 @pytest.mark.gpu
