@@ -292,12 +292,18 @@ void release_triton_plan(int64_t number) {
   plans.plans.erase(number);
 }
 
-std::shared_ptr<const TritonPlan> find_plan(int64_t number) {
+// The plan numbered `number`, or null once Python has released it.
+std::shared_ptr<const TritonPlan> kept_plan(int64_t number) {
   PlanRegistry& plans = registry();
   const std::lock_guard<std::mutex> hold(plans.lock);
   const auto found = plans.plans.find(number);
-  TORCH_CHECK(found != plans.plans.end(), "run_triton_plan: no plan number ", number, " (released?)");
-  return found->second;
+  return found == plans.plans.end() ? nullptr : found->second;
+}
+
+std::shared_ptr<const TritonPlan> find_plan(int64_t number) {
+  std::shared_ptr<const TritonPlan> plan = kept_plan(number);
+  TORCH_CHECK(plan != nullptr, "run_triton_plan: no plan number ", number, " (released?)");
+  return plan;
 }
 
 constexpr const char* kSecondDerivative =
@@ -446,20 +452,20 @@ std::optional<at::Tensor> run_known_triton_call(int64_t function, const c10::Lis
                                                 c10::ArrayRef<double> numbers) {
   const std::optional<CallKey> key = call_key(function, tensors, numbers);
   if (!key) return std::nullopt;
-  std::shared_ptr<const TritonPlan> plan;
+  KnownCalls& known = known_calls();
+  int64_t number;
   {
-    KnownCalls& known = known_calls();
     const std::lock_guard<std::mutex> hold(known.lock);
     const auto found = known.plans.find(*key);
     if (found == known.plans.end()) return std::nullopt;
-    PlanRegistry& registry_of_plans = registry();
-    const std::lock_guard<std::mutex> hold_plans(registry_of_plans.lock);
-    const auto kept = registry_of_plans.plans.find(found->second);
-    if (kept == registry_of_plans.plans.end()) {  // released by Python since: Python records the call again
-      known.plans.erase(found);
-      return std::nullopt;
-    }
-    plan = kept->second;
+    number = found->second;
+  }
+  const std::shared_ptr<const TritonPlan> plan = kept_plan(number);
+  if (plan == nullptr) {  // released by Python since: Python records the call again
+    const std::lock_guard<std::mutex> hold(known.lock);
+    const auto found = known.plans.find(*key);
+    if (found != known.plans.end() && found->second == number) known.plans.erase(found);  // not a newer plan's
+    return std::nullopt;
   }
   return run_plan(plan, tensors, numbers.size());
 }

@@ -712,15 +712,19 @@ def _extension_ops():
     return torch.ops.cuda_kernels
 
 
+_ALLOCATIONS_ONLY_PLAN = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4],
+                         [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [], [], [2, 3, -1])
+"""``make_triton_plan``'s arguments for a plan that launches nothing, so it runs on the CPU. Forward: slots x,
+weight, eps, then out (8, 4) and its transpose (4, 8), returned; saved: x. Backward: grad (laid out as the
+output), x, then grad_x and grad_weight."""
+
+
 def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
     """The op's autograd, on the CPU with a plan of allocations only (no kernels to launch): the output, its
     node's edges, the gradient buffers, and PyTorch's own errors for a saved tensor changed in place, a
     second backward, a second derivative and a forgotten plan."""
     ops = _extension_ops()
-    # forward: slots x, weight, eps, then out (8, 4) and its transpose (4, 8), returned; saved: x.
-    # backward: grad (laid out as the output), x, then grad_x and grad_weight
-    plan = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4], [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [],
-            [], [2, 3, -1])
+    plan = _ALLOCATIONS_ONLY_PLAN
     number = ops.make_triton_plan.default(*plan)
     x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
     out = ops.run_triton_plan.default(0, [x, weight], [1.0], number)
@@ -760,9 +764,7 @@ def test_a_call_alike_finds_its_plan_in_cpp_and_any_other_call_does_not():
     alike in what a launch depends on, same numbers) runs the plan without Python; any other call gets None,
     and so does every call once Python released the plan."""
     ops = _extension_ops()
-    plan = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4], [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [],
-            [], [2, 3, -1])  # as in the test above: out (4, 8), the transpose of an (8, 4) buffer
-    number = ops.make_triton_plan.default(*plan)
+    number = ops.make_triton_plan.default(*_ALLOCATIONS_ONLY_PLAN)
     function = 1000 + number  # a function number no level-4 op has
     x, weight = torch.randn(8, 4, requires_grad=True), torch.randn(4, requires_grad=True)
     assert ops.run_known_triton_call.default(function, [x, weight], [1.0]) is None  # not run yet
@@ -799,8 +801,7 @@ def test_a_signatures_first_call_and_backward_become_a_plan_and_its_next_call_th
     goes to the C++ op (which, handed CPU tensors and kernels to launch, says so)."""
     ops = _extension_ops()
     monkeypatch.setattr(replay, "REPLAY", True)
-    monkeypatch.setattr(replay, "_extension", lambda: (ops.make_triton_plan.default, ops.run_triton_plan.default,
-                                                       ops.release_triton_plan.default, ops.run_known_triton_call.default))
+    monkeypatch.setattr(replay, "_extension", replay.cpp_ops)
     eager = importlib.import_module("triton_kernels.eager")
 
     class ScaleEager(eager.EagerFunction):  # a level-4 op's shape: allocate, launch, save

@@ -50,6 +50,7 @@ import re
 import struct
 import sys
 import threading
+from typing import NamedTuple
 
 import torch
 import triton
@@ -110,16 +111,31 @@ class Plan:
 
     def __del__(self):
         try:
-            _extension()[2](self.number)
+            _extension().release_plan(self.number)
         except Exception:  # at interpreter exit the ops may be gone before the plans
             pass
 
 
+class CppOps(NamedTuple):
+    """Level 5's ops that keep and run plans (``cuda_kernels/triton_replay.cpp``)."""
+
+    make_plan: object
+    run_plan: object
+    release_plan: object
+    run_known_call: object
+
+
+def cpp_ops() -> CppOps:
+    """The ops from ``torch.ops.cuda_kernels``, the extension loaded."""
+    ops = torch.ops.cuda_kernels
+    return CppOps(ops.make_triton_plan.default, ops.run_triton_plan.default, ops.release_triton_plan.default,
+                  ops.run_known_triton_call.default)
+
+
 @functools.cache
-def _extension():
-    """(make_triton_plan, run_triton_plan, release_triton_plan, run_known_triton_call) from level 5's extension,
-    built on first use;
-    None (and a note, once) where it has no CUDA kernels: then every level-4 call stays in Python."""
+def _extension() -> CppOps | None:
+    """``cpp_ops()`` from level 5's extension, built on first use; None (and a note, once) where it has no
+    CUDA kernels: then every level-4 call stays in Python."""
     try:
         import cuda_kernels.ops as extension
     except (ImportError, RuntimeError) as error:  # LevelUnavailableError is a RuntimeError
@@ -129,9 +145,7 @@ def _extension():
     if why is not None:
         print(f"triton_kernels: level 4's calls stay in Python (no C++ op to replay them): {why}", file=sys.stderr)
         return None
-    ops = torch.ops.cuda_kernels
-    return (ops.make_triton_plan.default, ops.run_triton_plan.default, ops.release_triton_plan.default,
-            ops.run_known_triton_call.default)
+    return cpp_ops()
 
 
 def plans() -> dict[str, dict]:
@@ -152,14 +166,14 @@ def plans() -> dict[str, dict]:
 def run(function: int, tensors, numbers, plan: Plan) -> torch.Tensor:
     """The output of a call of a recorded signature, by the C++ op, which remembers the call's key for
     ``function`` (an ``EagerFunction``'s number): its next call alike is ``run_known``'s."""
-    return _extension()[1](function, tensors, numbers, plan.number)
+    return _extension().run_plan(function, tensors, numbers, plan.number)
 
 
 def run_known(function: int, tensors, numbers) -> torch.Tensor | None:
     """The output of a call whose key the C++ op remembers (``run``), by the C++ op; None for any other
     call, or where there is no C++ op."""
     extension = _extension()
-    return None if extension is None else extension[3](function, tensors, numbers)
+    return None if extension is None else extension.run_known_call(function, tensors, numbers)
 
 
 def record_forward(function, args, call_signature: tuple, plans) -> torch.Tensor:
@@ -208,7 +222,7 @@ def record_backward(backward, ctx, grads, plans) -> tuple:
     if not recorder.postponed:
         record = recorder.backward_record(gradients)
         plans.keep(pending.signature, record if isinstance(record, Refused) else
-                   Plan(_extension()[0](*pending.forward, grad.stride(), *record), pending.kernels + recorder.kernels()))
+                   Plan(_extension().make_plan(*pending.forward, grad.stride(), *record), pending.kernels + recorder.kernels()))
     return gradients
 
 
