@@ -10,6 +10,7 @@ and stream 7."""
 import importlib
 import inspect
 import re
+import types
 
 import pytest
 import torch
@@ -682,6 +683,46 @@ def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_
     assert isinstance(recorder.backward_record((gradient, None)), replay.Refused)
 
 
+class _OccupancyDriver:
+    """The CUDA driver's occupancy query, answering ``per_multiprocessor`` programs an SM."""
+
+    def __init__(self, per_multiprocessor: int):
+        self.per_multiprocessor = per_multiprocessor
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, count, function, threads, shared_bytes):
+        count._obj.value = self.per_multiprocessor
+        return 0
+
+
+@pytest.mark.parametrize("programs_at_once", [3, 64], ids=["too-few-rows-fit", "every-row-fits"])
+def test_only_a_cooperative_grid_that_launches_keeps_a_pass_from_replay(kernel, monkeypatch, programs_at_once):
+    """A grid that would hold too few of its rows at once launches nothing, and the caller runs its two
+    phases: the pass stays replayable (the answer is the same at every call of the signature). A grid that
+    launches zeroes its row counters per call, which the C++ op does not repeat: that pass keeps its Python.
+    The kernel is compiled for the occupancy query with the counters' dtype standing in for them, so asking
+    zeroes nothing either."""
+    compiled = kernel.recorder.compiled
+    compiled.function, compiled.metadata = 0, types.SimpleNamespace(num_warps=4, shared=0)
+    compiled._init_handles = lambda: None
+    monkeypatch.setattr(launch_module, "_cuda_driver", lambda: _OccupancyDriver(programs_at_once))
+    monkeypatch.setattr(launch_module, "_multiprocessor_count", lambda device: 1)
+    monkeypatch.setattr(launch_module, "_cooperative_kernels", {})
+    monkeypatch.setattr(launch_module, "_with_row_arrivals", lambda args, rows, device: tuple(
+        torch.zeros(rows, dtype=torch.int32) if arg is launch_module.ROW_ARRIVALS else arg for arg in args))
+    x = torch.randn(4 * 16 * 1024)
+    with replay.Recorder([x]) as recorder:  # 4 rows of 16 slices: all 4 must fit at once (64 programs)
+        launched = launch_module.launch_cooperative(kernel, 4, 16, x, launch_module.ROW_ARRIVALS, 16 * 1024, 0.5,
+                                                    BLOCK=1024, COMPUTE=tl.float32)
+    stand_in = kernel.recorder.jit_calls[0][1][1]
+    assert not isinstance(stand_in, torch.Tensor) and stand_in.dtype == torch.int32
+    if programs_at_once == 64:
+        assert launched and len(kernel.recorder.launches) == 1
+        assert "cooperative grid" in recorder.refusal
+    else:
+        assert not launched and not kernel.recorder.launches
+        assert recorder.refusal is None
+
+
 def test_a_pass_that_tuned_a_kernel_is_recorded_again_at_the_next_call(compiled_scale_kernel):
     """An autotuner's launch (a new key's first call, timing candidates) postpones the recording; a launch
     through the JIT otherwise refuses it."""
@@ -883,6 +924,19 @@ def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, confi
 
     monkeypatch.setattr(replay, "signature", python_signature)  # the C++ op finds the call's plan itself
     assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_rows_split_in_two_phases_where_no_cooperative_grid_fits_are_replayed(component, dtype, monkeypatch):
+    """Rows too long for one program ask for a cooperative grid; where the GPU holds too few of them at once
+    (here: never), the forward and the backward run their two phases, which the C++ op replays."""
+    monkeypatch.setattr(launch_module, "_rows_at_once", lambda resident, rows, slices: 0)
+    module, reference = build_pair(component, "triton", {"normalized_shape": 1 << 17}, "cuda", dtype)
+    for _ in range(4):
+        names = _fresh_fwd_bwd_matches(module, reference, (4, 1 << 17), dtype)
+    assert "TritonBackward" in names, replay.plans()
 
 
 @pytest.mark.gpu

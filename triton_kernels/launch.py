@@ -559,7 +559,10 @@ def _cooperative_entry(kernel, args: tuple, constants: dict) -> tuple:
     key = _launch_key(kernel, device, args, constants)
     entry = _cooperative_kernels.get(key)
     if entry is None:
-        compiled = kernel.warmup(*_with_row_arrivals(args, 1, device), grid=(1,), **constants)  # compiles, no launch
+        # Compiles, launches nothing. The counters' stand-in is their dtype (Triton's MockTensor: aligned), not a
+        # zeroed tensor: a forward being recorded for replay would see a fill it could not repeat, and refuse.
+        compiled = kernel.warmup(*(torch.int32 if arg is ROW_ARRIVALS else arg for arg in args), grid=(1,),
+                                 **constants)
         compiled._init_handles()  # loads the binary: its CUfunction handle is what the driver is asked about
         per_multiprocessor = ctypes.c_int()
         result = _cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -595,12 +598,12 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     The grid holds as many whole rows at once as fit (``cooperative_rows_at_once``). Returns False,
     launching nothing, when fewer than ``COOPERATIVE_MIN_ROWS_AT_ONCE`` rows (or than all of them) fit:
     the caller runs its two phases. The row counters go among ``args`` as ``ROW_ARRIVALS``."""
-    if RECORDERS:
-        _tell_recorder("refuse", "a cooperative grid (its row counters are zeroed per call)")
     _, compiled, resident, tail = _cooperative_entry(kernel, args, constants)
     rows_at_once = _rows_at_once(resident, rows, slices)
-    if not rows_at_once:
+    if not rows_at_once:  # the same answer for every call of the signature: its two phases can be replayed
         return False
+    if RECORDERS:
+        _tell_recorder("refuse", "a cooperative grid (its row counters are zeroed per call)")
     device = _current_cuda_device()
     args = _with_row_arrivals(args, rows, device)
     if not DIRECT_LAUNCH or _hooked(kernel):
