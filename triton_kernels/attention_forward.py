@@ -47,7 +47,10 @@ Measured (H100 80GB HBM3, Triton 3.6, causal, batch 4, 16 heads, CUDA-event medi
     Tried on a stripped copy of this kernel with Triton 3.6 (bfloat16, (4, 16, 4096, 128), causal): k and v
     through device-side tensor descriptors (TMA) 0.700 ms against 0.645 with pointer loads;
     ``tl.range(..., warp_specialize=True)`` on the key loop 0.646 ms, and it failed to compile at 4 warps.
-    Neither is used: on Hopper this Triton gets nothing from them for this loop, and the ~0.8× of cuDNN's
+    On an H200, the next key block's q·kᵀ issued before this block's softmax (FlashAttention-3's overlap,
+    by hand) ran 0.363 ms against 0.360 at (2, 16, 4096, 128), and slower at head_dim 64
+    (profiling/results/h200/attention-probes-a50d9ec.md).
+    None is used: on Hopper this Triton gets nothing from them for this loop, and the ~0.8× of cuDNN's
     forward that remains is what level 5's hand-written warp specialisation (attention_forward_hopper.cu) buys.
     float32 and float64 (seq 1024): 3.1 and 2.0 ms, 5.5 and 8.8 TFLOP/s (CUDA cores, float64
     tensor cores).

@@ -23,10 +23,10 @@ How (``eager.EagerFunction`` calls it):
    tensor's sizes, strides and offset, no work), its work only launches through ``launch.launch``, each
    tensor argument of a launch is a tensor of the call (an argument, the gradient, a saved tensor, an
    allocation, or a view of one of these), and the output and each gradient are memory the pass
-   allocated (or a view of it). Anything else (a cooperative grid, a zero-filled buffer, a matmul by
-   PyTorch, a loss's count of targets, ...) and the signature keeps its Python: correct, only slower. A
-   pass that first tuned a kernel (the matmul's autotuner, timing its candidates at a new shape) is not
-   kept: the next call of the signature is recorded instead.
+   allocated (or a view of it). Anything else (a cooperative grid that launches, a zero-filled buffer, a
+   matmul by PyTorch, a loss's count of targets, ...) and the signature keeps its Python: correct, only
+   slower. A pass that first tuned a kernel (the matmul's autotuner, timing its candidates at a new
+   shape) is not kept: the next call of the signature is recorded instead.
 3. Every later call of a replayable signature is ``cuda_kernels::run_triton_plan`` (level 5's
    extension, ``cuda_kernels/triton_replay.cpp``): the forward, and an output whose ``grad_fn`` is a C++
    node that replays the backward. The op remembers the call's key (the signature, worked out in C++), and
