@@ -1,7 +1,8 @@
 // Driver (libcuda) functions without linking libcuda: the CUDA runtime hands out their addresses.
 // PyTorch loads the runtime and the driver; the extension links only the runtime, so a machine whose
 // libcuda sits somewhere the linker would not look still builds it. Used by hopper.cuh (TMA's
-// cuTensorMapEncodeTiled) and triton_replay.cpp (cuLaunchKernel, for Triton's compiled kernels).
+// cuTensorMapEncodeTiled) and triton_replay.cpp (cuLaunchKernel and cuLaunchKernelEx, for Triton's
+// compiled kernels).
 #pragma once
 
 #include <cuda.h>

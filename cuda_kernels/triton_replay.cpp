@@ -19,13 +19,15 @@
 //     gradient, laid out with `gradient_strides` (copied there when it arrives otherwise), then the saved
 //     tensors, then one per backward allocation and one per backward view; `input_gradients` the slot of
 //     each argument's gradient (an allocation or a view of one), or -1.
-//       an allocation: [scalar type, dims, sizes..., strides...], an uninitialised buffer on the call's
-//         device (the recorder accepts only calls whose kernels write every byte they read);
+//       an allocation: [scalar type, zero-filled, dims, sizes..., strides...], a buffer on the call's device,
+//         uninitialised (the recorder accepts only calls whose kernels write every byte they read) or, where
+//         zero-filled is 1, zeroed at each call (a cooperative grid's row counters);
 //       a view: [slot, element offset, dims, sizes..., strides...], that slot's storage seen with these
 //         sizes and strides from the slot's own offset plus the given one (a transposed weight, an
 //         output laid out (B, L, H, D) and returned as (B, H, L, D), a reshape);
-//       a launch: [CUfunction, grid x, grid y, grid z, threads, shared bytes, then (kind, value) per kernel
-//         parameter], kinds as ParameterKind below.
+//       a launch: [CUfunction, grid x, grid y, grid z, threads, shared bytes, cooperative, then (kind, value)
+//         per kernel parameter], kinds as ParameterKind below; cooperative 1 for a grid whose programs wait
+//         on each other, so must all be resident at once (the driver's cooperative launch).
 //   cuda_kernels::run_triton_plan(int function, Tensor?[] tensors, float[] numbers, int plan) -> Tensor
 //     the forward, and (when grad mode is on and an argument requires grad) the output's grad_fn: a
 //     TritonBackward node, which keeps the saved slots as SavedVariables (so an in-place change of a saved
@@ -48,9 +50,10 @@
 //
 // Launching. Triton's launcher passes a kernel its non-constexpr arguments in order, then its scratch
 // pointers (null when the kernel asks for no scratch); the recorder checked that list against the kernel's
-// PTX, parameter by parameter, so a launch here only fills each parameter's bytes and calls cuLaunchKernel
-// (found through the runtime: driver_api.h) on the current stream, which autograd sets to the forward's
-// for the backward.
+// PTX, parameter by parameter, so a launch here only fills each parameter's bytes and calls cuLaunchKernel,
+// or cuLaunchKernelEx with the cooperative attribute as Triton's launcher does for such a grid (both found
+// through the runtime: driver_api.h), on the current stream, which autograd sets to the forward's for the
+// backward.
 #include "binding.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -87,11 +90,13 @@ enum ParameterKind : int64_t {
 struct Launch {
   uint64_t function;
   unsigned grid[3], threads, shared_bytes;
+  bool cooperative;
   std::vector<std::pair<int64_t, int64_t>> parameters;
 };
 
 struct Allocation {
   at::ScalarType dtype;
+  bool zero_filled;
   std::vector<int64_t> sizes, strides;
 };
 
@@ -119,10 +124,11 @@ struct Pass {
   Pass(const std::vector<std::vector<int64_t>>& allocation_rows, const std::vector<std::vector<int64_t>>& view_rows,
        const std::vector<std::vector<int64_t>>& launch_rows) {
     for (const auto& row : allocation_rows) {
-      TORCH_CHECK(!row.empty() && row[0] >= 0 && row[0] < static_cast<int64_t>(at::ScalarType::NumOptions),
-                  "make_triton_plan: an allocation starts with a scalar type");
-      auto [sizes, strides] = geometry(row, 1, "an allocation");
-      allocations.push_back({static_cast<at::ScalarType>(row[0]), std::move(sizes), std::move(strides)});
+      TORCH_CHECK(row.size() >= 2 && row[0] >= 0 && row[0] < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+                      (row[1] == 0 || row[1] == 1),
+                  "make_triton_plan: an allocation starts with a scalar type and whether it is zero-filled (0 or 1)");
+      auto [sizes, strides] = geometry(row, 2, "an allocation");
+      allocations.push_back({static_cast<at::ScalarType>(row[0]), row[1] == 1, std::move(sizes), std::move(strides)});
     }
     for (const auto& row : view_rows) {
       TORCH_CHECK(row.size() >= 2, "make_triton_plan: a view starts with a slot and an offset");
@@ -130,13 +136,15 @@ struct Pass {
       views.push_back({row[0], row[1], std::move(sizes), std::move(strides)});
     }
     for (const auto& row : launch_rows) {
-      TORCH_CHECK(row.size() >= 6 && row.size() % 2 == 0, "make_triton_plan: a launch is 6 numbers and (kind, value) pairs");
+      TORCH_CHECK(row.size() >= 7 && row.size() % 2 == 1 && (row[6] == 0 || row[6] == 1),
+                  "make_triton_plan: a launch is 7 numbers (the last whether it is cooperative, 0 or 1) and (kind, value) pairs");
       Launch launch{static_cast<uint64_t>(row[0]),
                     {static_cast<unsigned>(row[1]), static_cast<unsigned>(row[2]), static_cast<unsigned>(row[3])},
                     static_cast<unsigned>(row[4]),
                     static_cast<unsigned>(row[5]),
+                    row[6] == 1,
                     {}};
-      for (size_t i = 6; i < row.size(); i += 2) {
+      for (size_t i = 7; i < row.size(); i += 2) {
         TORCH_CHECK(kTensor <= row[i] && row[i] <= kScratch, "make_triton_plan: no parameter kind ", row[i]);
         launch.parameters.emplace_back(row[i], row[i + 1]);
       }
@@ -174,6 +182,7 @@ struct Pass {
   void run(std::vector<at::Tensor>& slots, const at::TensorOptions& options) const {
     for (const Allocation& allocation : allocations) {
       slots.push_back(at::empty_strided(allocation.sizes, allocation.strides, options.dtype(allocation.dtype)));
+      if (allocation.zero_filled) slots.back().zero_();
     }
     {
       // Views for the kernels and the caller, not for autograd: an output gets its node from run_triton_plan,
@@ -189,6 +198,7 @@ struct Pass {
     TORCH_CHECK(options.device().is_cuda(), "run_triton_plan launches CUDA kernels; got tensors on ", options.device());
 #ifdef KERNEL_LADDER_WITH_CUDA
     static const auto launch_kernel = driver_function<PFN_cuLaunchKernel_v4000>("cuLaunchKernel", 4000);
+    static const auto launch_kernel_ex = driver_function<PFN_cuLaunchKernelEx_v11060>("cuLaunchKernelEx", 11060);
     static const auto error_string = driver_function<PFN_cuGetErrorString_v6000>("cuGetErrorString", 6000);
     TORCH_CHECK(launch_kernel != nullptr && error_string != nullptr, "run_triton_plan: this CUDA driver hands out no cuLaunchKernel");
     const c10::cuda::CUDAGuard device_guard(options.device());
@@ -215,13 +225,33 @@ struct Pass {
         }
         parameters[i] = &words[i];
       }
-      const CUresult status = launch_kernel(reinterpret_cast<CUfunction>(launch.function), launch.grid[0], launch.grid[1],
-                                            launch.grid[2], launch.threads, 1, 1, launch.shared_bytes, stream,
-                                            parameters.data(), nullptr);
+      CUresult status;
+      if (launch.cooperative) {
+        TORCH_CHECK(launch_kernel_ex != nullptr, "run_triton_plan: this CUDA driver hands out no cuLaunchKernelEx");
+        CUlaunchAttribute cooperative{};
+        cooperative.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        cooperative.value.cooperative = 1;
+        CUlaunchConfig config{};
+        config.gridDimX = launch.grid[0];
+        config.gridDimY = launch.grid[1];
+        config.gridDimZ = launch.grid[2];
+        config.blockDimX = launch.threads;
+        config.blockDimY = config.blockDimZ = 1;
+        config.sharedMemBytes = launch.shared_bytes;
+        config.hStream = stream;
+        config.attrs = &cooperative;
+        config.numAttrs = 1;
+        status = launch_kernel_ex(&config, reinterpret_cast<CUfunction>(launch.function), parameters.data(), nullptr);
+      } else {
+        status = launch_kernel(reinterpret_cast<CUfunction>(launch.function), launch.grid[0], launch.grid[1],
+                               launch.grid[2], launch.threads, 1, 1, launch.shared_bytes, stream, parameters.data(),
+                               nullptr);
+      }
       if (status != CUDA_SUCCESS) {
         const char* message = nullptr;
         error_string(status, &message);
-        TORCH_CHECK(false, "run_triton_plan: cuLaunchKernel failed: ", message ? message : "unknown error");
+        TORCH_CHECK(false, "run_triton_plan: cuLaunchKernel", launch.cooperative ? "Ex" : "", " failed: ",
+                    message ? message : "unknown error");
       }
     }
 #else

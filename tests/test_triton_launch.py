@@ -616,13 +616,14 @@ def test_a_pass_of_allocations_and_launches_is_recorded_slot_by_slot(compiled_sc
     record = forward.forward_record(out, [x, statistics])
     assert not isinstance(record, replay.Refused), record
     allocations, views, launches, output_slot, saved_slots = record
-    assert allocations == [[6, 1, 64, 1], [6, 2, 8, 8, 8, 1]]  # c10::ScalarType Float, dims, sizes, strides
+    assert allocations == [[6, 0, 1, 64, 1], [6, 0, 2, 8, 8, 8, 1]]  # c10::ScalarType Float, not zero-filled, dims,
+    # sizes, strides
     assert views == []
     aligned = replay._ALIGNED_TENSOR
     scratch = [replay._BITS64, 0, replay._BITS64, 0]
     assert launches == [
-        [0xF00D, 4, 1, 1, 128, 512, aligned, 0, aligned, 2, replay._BITS32, 64, replay._BITS32, _bits(1.5), *scratch],
-        [0xF00D, 2, 3, 1, 128, 512, aligned, 2, aligned, 3, replay._BITS32, 64, replay._BITS32, _bits(-2.0), *scratch],
+        [0xF00D, 4, 1, 1, 128, 512, 0, aligned, 0, aligned, 2, replay._BITS32, 64, replay._BITS32, _bits(1.5), *scratch],
+        [0xF00D, 2, 3, 1, 128, 512, 0, aligned, 2, aligned, 3, replay._BITS32, 64, replay._BITS32, _bits(-2.0), *scratch],
     ]
     assert (output_slot, saved_slots) == (2, [0, 3])
     grad = torch.randn(64)
@@ -642,14 +643,14 @@ def test_views_are_recorded_as_slots_of_their_own(compiled_scale_kernel):
         call(compiled_scale_kernel, weight, buffer.t().view(64)[32:], n=32, grid=(1,))  # 32 elements in
         out = buffer.t()
     allocations, views, launches, output_slot, saved_slots = forward.forward_record(out, [weight])
-    assert allocations == [[6, 2, 4, 16, 1, 4]]
+    assert allocations == [[6, 0, 2, 4, 16, 1, 4]]
     assert views == [[0, 0, 2, 4, 8, 1, 4],  # slot 2: weight.t()
                      [1, 0, 2, 16, 4, 4, 1],  # 3: buffer.t()
                      [3, 0, 1, 64, 1],  # 4: its view(64)
                      [4, 32, 1, 32, 1],  # 5: that one's slice
                      [1, 0, 2, 16, 4, 4, 1]]  # 6: buffer.t() again, the output
-    assert [row[9] for row in launches] == [1, 5]  # each launch's second pointer: the buffer, then the slice
-    assert launches[0][7] == 2 and launches[1][7] == 0  # the first pointer: weight.t() (by identity), weight
+    assert [row[10] for row in launches] == [1, 5]  # each launch's second pointer: the buffer, then the slice
+    assert launches[0][8] == 2 and launches[1][8] == 0  # the first pointer: weight.t() (by identity), weight
     assert (output_slot, saved_slots) == (6, [0])
 
 
@@ -665,7 +666,7 @@ def test_a_kernel_that_asks_for_global_scratch_gets_it_per_launch(compiled_scale
     assert launch_row[-4:] == [replay._SCRATCH, 128 * 4 * 2, replay._BITS64, 0]
 
 
-@pytest.mark.parametrize("case", ["a zero-filled buffer", "a gradient that is a view of an argument",
+@pytest.mark.parametrize("case", ["a buffer filled with ones", "a gradient that is a view of an argument",
                                   "a buffer seen as another dtype", "a PTX of other parameters",
                                   "a kernel through the JIT"])
 def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_kernel, monkeypatch, case):
@@ -676,7 +677,7 @@ def test_a_pass_the_op_could_not_replay_exactly_keeps_its_python(compiled_scale_
     if case == "a kernel through the JIT":
         monkeypatch.setattr(launch_module, "DIRECT_LAUNCH", False)
     with replay.Recorder([grad, saved]) as recorder:
-        buffer = torch.zeros_like(saved) if case == "a zero-filled buffer" else torch.empty(64)
+        buffer = torch.ones_like(saved) if case == "a buffer filled with ones" else torch.empty(64)
         written = buffer.view(torch.int32) if case == "a buffer seen as another dtype" else buffer
         call(compiled_scale_kernel, grad, written, n=64, grid=(4,))
         gradient = grad.view(64) if case == "a gradient that is a view of an argument" else buffer
@@ -695,14 +696,14 @@ class _OccupancyDriver:
 
 
 @pytest.mark.parametrize("programs_at_once", [3, 64], ids=["too-few-rows-fit", "every-row-fits"])
-def test_only_a_cooperative_grid_that_launches_keeps_a_pass_from_replay(kernel, monkeypatch, programs_at_once):
-    """A grid that would hold too few of its rows at once launches nothing, and the caller runs its two
-    phases: the pass stays replayable (the answer is the same at every call of the signature). A grid that
-    launches zeroes its row counters per call, which the C++ op does not repeat: that pass keeps its Python.
-    The kernel is compiled for the occupancy query with the counters' dtype standing in for them, so asking
-    zeroes nothing either."""
-    compiled = kernel.recorder.compiled
-    compiled.function, compiled.metadata = 0, types.SimpleNamespace(num_warps=4, shared=0)
+def test_a_cooperative_grid_is_recorded_as_a_cooperative_launch_over_zeroed_counters(compiled_scale_kernel, monkeypatch,
+                                                                                     programs_at_once):
+    """``launch_cooperative`` asks how many programs fit at once (the driver's occupancy, once per key), compiling
+    the kernel with the counters' dtype standing in for them: asking allocates nothing. A grid that would hold
+    too few of its rows launches nothing, and the caller runs its two phases. A grid that launches is recorded
+    as a cooperative launch whose row counters are a zero-filled allocation, which the C++ op fills again."""
+    compiled = compiled_scale_kernel.recorder.compiled
+    compiled.metadata.launch_cooperative_grid = True  # as launch_cooperative compiles it
     compiled._init_handles = lambda: None
     monkeypatch.setattr(launch_module, "_cuda_driver", lambda: _OccupancyDriver(programs_at_once))
     monkeypatch.setattr(launch_module, "_multiprocessor_count", lambda device: 1)
@@ -711,16 +712,18 @@ def test_only_a_cooperative_grid_that_launches_keeps_a_pass_from_replay(kernel, 
         torch.zeros(rows, dtype=torch.int32) if arg is launch_module.ROW_ARRIVALS else arg for arg in args))
     x = torch.randn(4 * 16 * 1024)
     with replay.Recorder([x]) as recorder:  # 4 rows of 16 slices: all 4 must fit at once (64 programs)
-        launched = launch_module.launch_cooperative(kernel, 4, 16, x, launch_module.ROW_ARRIVALS, 16 * 1024, 0.5,
-                                                    BLOCK=1024, COMPUTE=tl.float32)
-    stand_in = kernel.recorder.jit_calls[0][1][1]
+        launched = launch_module.launch_cooperative(compiled_scale_kernel, 4, 16, x, launch_module.ROW_ARRIVALS,
+                                                    16 * 1024, 0.5, BLOCK=1024, COMPUTE=tl.float32)
+    stand_in = compiled_scale_kernel.recorder.jit_calls[0][1][1]
     assert not isinstance(stand_in, torch.Tensor) and stand_in.dtype == torch.int32
-    if programs_at_once == 64:
-        assert launched and len(kernel.recorder.launches) == 1
-        assert "cooperative grid" in recorder.refusal
-    else:
-        assert not launched and not kernel.recorder.launches
-        assert recorder.refusal is None
+    if programs_at_once == 3:
+        assert not launched and not compiled_scale_kernel.recorder.launches and not recorder.allocations
+        return
+    assert launched and len(compiled_scale_kernel.recorder.launches) == 1
+    allocations, _, launches, _ = recorder.backward_record(())  # the rows alone
+    assert allocations == [[3, 1, 1, 4, 1]]  # int32, zero-filled, the 4 rows' counters
+    assert launches[0][:9] == [0xF00D, 64, 1, 1, 128, 512, 1, replay._ALIGNED_TENSOR, 0]  # cooperative; x
+    assert launches[0][9:11] == [replay._ALIGNED_TENSOR, 1]  # the counters
 
 
 def test_a_pass_that_tuned_a_kernel_is_recorded_again_at_the_next_call(compiled_scale_kernel):
@@ -753,11 +756,11 @@ def _extension_ops():
     return torch.ops.cuda_kernels
 
 
-_ALLOCATIONS_ONLY_PLAN = ([[6, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4],
-                         [[6, 2, 8, 4, 4, 1], [6, 1, 4, 1]], [], [], [2, 3, -1])
+_ALLOCATIONS_ONLY_PLAN = ([[6, 0, 2, 8, 4, 4, 1]], [[3, 0, 2, 4, 8, 1, 4]], [], 4, [0], [1, 4],
+                         [[6, 0, 2, 8, 4, 4, 1], [6, 1, 1, 4, 1]], [], [], [2, 3, -1])
 """``make_triton_plan``'s arguments for a plan that launches nothing, so it runs on the CPU. Forward: slots x,
 weight, eps, then out (8, 4) and its transpose (4, 8), returned; saved: x. Backward: grad (laid out as the
-output), x, then grad_x and grad_weight."""
+output), x, then grad_x and grad_weight, zero-filled."""
 
 
 def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
@@ -773,7 +776,7 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
     assert [node.name() if node else None for node, _ in out.grad_fn.next_functions] == [
         "torch::autograd::AccumulateGrad", "torch::autograd::AccumulateGrad", None]
     out.backward(torch.ones(4, 8))  # contiguous: copied into the recorded layout
-    assert x.grad.shape == (8, 4) and weight.grad.shape == (4,)
+    assert x.grad.shape == (8, 4) and torch.equal(weight.grad, torch.zeros(4))  # zero-filled, and no kernel ran
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         out.backward(torch.ones(4, 8))
     with torch.no_grad():
@@ -795,7 +798,9 @@ def test_a_replayed_call_is_an_output_whose_grad_fn_is_the_cpp_node():
                              ({1: [transposed_x]}, "the output must be a forward allocation"),
                              ({1: [[5, 0, 2, 4, 8, 1, 4]]}, "a view of no earlier slot"),
                              ({1: [plan[1][0], transposed_x], 4: [5]}, "a saved slot must be an argument, a forward"),
-                             ({9: [0, 3, -1]}, "a gradient must be a backward allocation")]:
+                             ({9: [0, 3, -1]}, "a gradient must be a backward allocation"),
+                             ({0: [[6, 2, 2, 8, 4, 4, 1]]}, "whether it is zero-filled"),
+                             ({2: [[0, 1, 1, 1, 32, 0, 2]]}, "whether it is cooperative")]:
         with pytest.raises(RuntimeError, match=message):
             ops.make_triton_plan.default(*[changes.get(position, part) for position, part in enumerate(plan)])
 
@@ -926,14 +931,22 @@ def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, confi
     assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype)
 
 
+_LONG_ROWS = [("layer_norm", {"normalized_shape": 1 << 17}), ("rms_norm", {"normalized_shape": 1 << 17}),
+              ("softmax", {"dim": -1})]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("grid", ["cooperative", "two phases"])
+@pytest.mark.parametrize("component,config", _LONG_ROWS, ids=[component for component, _ in _LONG_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_rows_split_in_two_phases_where_no_cooperative_grid_fits_are_replayed(component, dtype, monkeypatch):
-    """Rows too long for one program ask for a cooperative grid; where the GPU holds too few of them at once
-    (here: never), the forward and the backward run their two phases, which the C++ op replays."""
-    monkeypatch.setattr(launch_module, "_rows_at_once", lambda resident, rows, slices: 0)
-    module, reference = build_pair(component, "triton", {"normalized_shape": 1 << 17}, "cuda", dtype)
+def test_rows_too_long_for_one_program_are_replayed_over_either_grid(component, config, dtype, grid, monkeypatch):
+    """Rows too long for one program ask for a cooperative grid. Four rows of 2^17 fit one at once on any GPU
+    of this course, and it launches: the C++ op zeroes its row counters and launches it cooperatively too.
+    Where the GPU holds too few rows at once (here: forced), the forward and the backward run their two
+    phases instead, and the C++ op replays those."""
+    if grid == "two phases":
+        monkeypatch.setattr(launch_module, "_rows_at_once", lambda resident, rows, slices: 0)
+    module, reference = build_pair(component, "triton", config, "cuda", dtype)
     for _ in range(4):
         names = _fresh_fwd_bwd_matches(module, reference, (4, 1 << 17), dtype)
     assert "TritonBackward" in names, replay.plans()

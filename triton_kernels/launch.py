@@ -460,13 +460,12 @@ _compiled_kernels: dict[tuple, tuple] = {}  # key -> (kernel, CompiledKernel, va
 # (The entry holds the kernel itself so that the id(kernel) in its key can never be reused.)
 
 RECORDERS: dict[int, object] = {}
-"""The ``replay.Recorder`` watching a forward or a backward, by thread, while one does: ``launch`` tells
-it each kernel it starts (straight to its launcher, or through Triton's JIT), ``launch_cooperative`` that
-the pass cannot be replayed."""
+"""The ``replay.Recorder`` watching a forward or a backward, by thread, while one does: ``launch`` and
+``launch_cooperative`` tell it each kernel they start (straight to its launcher, or through Triton's JIT)."""
 
 
 def _tell_recorder(event: str, *details) -> None:
-    """Call ``event`` (``launched``, ``launched_through_jit``, ``refuse``) on this thread's recorder, if one
+    """Call ``event`` (``launched``, ``launched_through_jit``) on this thread's recorder, if one
     is watching."""
     recorder = RECORDERS.get(threading.get_ident())
     if recorder is not None:
@@ -560,7 +559,7 @@ def _cooperative_entry(kernel, args: tuple, constants: dict) -> tuple:
     entry = _cooperative_kernels.get(key)
     if entry is None:
         # Compiles, launches nothing. The counters' stand-in is their dtype (Triton's MockTensor: aligned), not a
-        # zeroed tensor: a forward being recorded for replay would see a fill it could not repeat, and refuse.
+        # zeroed tensor: a pass being recorded for replay would see an allocation that no launch reads.
         compiled = kernel.warmup(*(torch.int32 if arg is ROW_ARRIVALS else arg for arg in args), grid=(1,),
                                  **constants)
         compiled._init_handles()  # loads the binary: its CUfunction handle is what the driver is asked about
@@ -600,17 +599,22 @@ def launch_cooperative(kernel, rows: int, slices: int, *args, **constants) -> bo
     the caller runs its two phases. The row counters go among ``args`` as ``ROW_ARRIVALS``."""
     _, compiled, resident, tail = _cooperative_entry(kernel, args, constants)
     rows_at_once = _rows_at_once(resident, rows, slices)
-    if not rows_at_once:  # the same answer for every call of the signature: its two phases can be replayed
+    if not rows_at_once:
+        # The same answer at every call of the signature: a recorder may replay the caller's two phases.
         return False
-    if RECORDERS:
-        _tell_recorder("refuse", "a cooperative grid (its row counters are zeroed per call)")
     device = _current_cuda_device()
+    # The counters, zeroed: to a recorder, a zero-filled allocation, which the C++ op fills again per call.
     args = _with_row_arrivals(args, rows, device)
+    grid = (rows_at_once * slices,)
     if not DIRECT_LAUNCH or _hooked(kernel):
-        kernel[(rows_at_once * slices,)](*args, **constants)
+        if RECORDERS:
+            _tell_recorder("launched_through_jit", kernel)
+        kernel[grid](*args, **constants)
     else:
-        compiled.run(rows_at_once * slices, 1, 1, _current_raw_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+        if RECORDERS:
+            _tell_recorder("launched", (kernel, compiled, tail), grid, args)
+        compiled.run(grid[0], 1, 1, _current_raw_stream(device), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *tail)
     return True
 
 

@@ -19,14 +19,16 @@ How (``eager.EagerFunction`` calls it):
    ``launch.launch`` starts (the compiled kernel, grid and arguments) and every ATen op.
 2. The first backward of that signature runs under a second ``Recorder`` (calls until then take the
    Python path, unrecorded). Then the call is *replayable* when each pass's ATen ops were only
-   allocations (``torch.empty*``, strided or not) and views (``.t()``, ``.view``, ``.permute``, ...: a
-   tensor's sizes, strides and offset, no work), its work only launches through ``launch.launch``, each
-   tensor argument of a launch is a tensor of the call (an argument, the gradient, a saved tensor, an
-   allocation, or a view of one of these), and the output and each gradient are memory the pass
-   allocated (or a view of it). Anything else (a cooperative grid that launches, a zero-filled buffer, a
-   matmul by PyTorch, a loss's count of targets, ...) and the signature keeps its Python: correct, only
-   slower. A pass that first tuned a kernel (the matmul's autotuner, timing its candidates at a new
-   shape) is not kept: the next call of the signature is recorded instead.
+   allocations (``torch.empty*``, strided or not, and ``torch.zeros*``, which the C++ op fills with zeros
+   again at each call) and views (``.t()``, ``.view``, ``.permute``, ...: a tensor's sizes, strides and
+   offset, no work), its work only launches through ``launch.launch`` and ``launch.launch_cooperative``
+   (a cooperative grid: its row counters are such a zero-filled allocation), each tensor argument of a
+   launch is a tensor of the call (an argument, the gradient, a saved tensor, an allocation, or a view of
+   one of these), and the output and each gradient are memory the pass allocated (or a view of it).
+   Anything else (a matmul by PyTorch, a buffer filled with anything but zeros, a loss's count of
+   targets, ...) and the signature keeps its Python: correct, only slower. A pass that first tuned a
+   kernel (the matmul's autotuner, timing its candidates at a new shape) is not kept: the next call of
+   the signature is recorded instead.
 3. Every later call of a replayable signature is ``cuda_kernels::run_triton_plan`` (level 5's
    extension, ``cuda_kernels/triton_replay.cpp``): the forward, and an output whose ``grad_fn`` is a C++
    node that replays the backward. The op remembers the call's key (the signature, worked out in C++), and
@@ -62,10 +64,13 @@ REPLAY = not launch_module.INTERPRETING and os.environ.get("TRITON_KERNELS_REPLA
 """Replay recorded calls from C++ (see above); read at each call, so a test or a benchmark can switch it."""
 
 # The ATen ops a replayable pass may run, besides views: allocations, whose contents its kernels write in
-# full; and the detach PyTorch itself applies to a tensor a dispatch mode returns (no work).
+# full; zero-filled allocations (a cooperative grid's row counters), which the C++ op fills again at each
+# call; and the detach PyTorch itself applies to a tensor a dispatch mode returns (no work).
 _ALLOCATIONS = frozenset({torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                           torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                           torch.ops.aten.new_empty_strided.default})
+_ZERO_FILLED = frozenset({torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                          torch.ops.aten.new_zeros.default})
 _DETACH = torch.ops.aten.detach.default
 
 # c10::ScalarType's numbers (stable: they are serialised in TorchScript files).
@@ -240,6 +245,7 @@ class Recorder(TorchDispatchMode):
         # Each list keeps its tensors alive, so no later buffer reuses an address and no id is reused.
         self.handed = [tensor if isinstance(tensor, torch.Tensor) else None for tensor in handed]
         self.allocations = []
+        self.zero_filled = set()  # ids of the allocations that came zero-filled
         self.views = []  # (view, the tensor it was taken of)
         self.launches = []  # (kernel, CompiledKernel, grid, every parameter's value)
         self.refusal = None
@@ -257,6 +263,9 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
             self.allocations.append(out)
+        elif func in _ZERO_FILLED:
+            self.allocations.append(out)
+            self.zero_filled.add(id(out))
         elif func is _DETACH:  # the same tensor again (found by its address, like any alias of a slot)
             pass
         elif func.is_view and isinstance(args[0], torch.Tensor):  # a view's metadata only: no work
@@ -342,7 +351,8 @@ class _Slots:
         for tensor in recorder.allocations:
             if tensor.device != device or tensor.dtype not in _SCALAR_TYPE:
                 raise _NotReplayable("it allocates a buffer the C++ op would not allocate alike")
-            self.allocations.append([_SCALAR_TYPE[tensor.dtype], tensor.dim(), *tensor.shape, *tensor.stride()])
+            self.allocations.append([_SCALAR_TYPE[tensor.dtype], int(id(tensor) in recorder.zero_filled), tensor.dim(),
+                                     *tensor.shape, *tensor.stride()])
         self.bases = {}  # view slot -> the slot it is a view of
         self.views = []
         for slot, (view, base) in enumerate(recorder.views, self.first_view):
@@ -397,14 +407,15 @@ class _Slots:
 
 
 def _launch_row(kernel, compiled, grid, values, slots: _Slots) -> list[int]:
-    """[CUfunction, grid x, y, z, threads, shared bytes, (kind, value) per parameter] of one recorded
-    launch, as triton_replay.cpp takes it."""
+    """[CUfunction, grid x, y, z, threads, shared bytes, cooperative, (kind, value) per parameter] of one
+    recorded launch, as triton_replay.cpp takes it. cooperative: 1 for a kernel compiled for a cooperative
+    grid (``launch.launch_cooperative``), whose programs must all be resident at once."""
     metadata = compiled.metadata
-    if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
-            or getattr(metadata, "launch_pdl", False) or getattr(metadata, "tensordesc_meta", None)
-            or getattr(metadata, "profile_scratch_size", 0)):
+    if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_pdl", False)
+            or getattr(metadata, "tensordesc_meta", None) or getattr(metadata, "profile_scratch_size", 0)):
         raise _NotReplayable(f"{kernel.fn.__name__} needs a launch the C++ op does not make")
-    row = [compiled.function, *grid, 32 * metadata.num_warps, metadata.shared]
+    row = [compiled.function, *grid, 32 * metadata.num_warps, metadata.shared,
+           int(bool(getattr(metadata, "launch_cooperative_grid", False)))]
     sizes = []
     types = compiled.src.signature
     for parameter, value in zip(kernel.params, values):
