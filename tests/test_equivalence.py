@@ -80,6 +80,11 @@ STRATEGY_CASES = {
                           "SPLIT_BLOCK": 1024}, (3, 5000),
                {"layer_norm_fwd_looped_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
                {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"}),
+    # rows the forward holds in registers and the norms' backward does not: it keeps four values a column,
+    # twice the forward's two, so it splits rows past half the forward's limit (layer_norm_backward.ROW_ARRAYS)
+    "row-backward-split": ("row", {"MAX_ROW_BLOCK": 4096, "SPLIT_BLOCK": 1024}, (3, 3000),
+                           {"_layer_norm_fwd_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
+                           {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one
     # slice of every row (the interpreter's 4 program slots hold no two groups of 5 slices)
     "split": ("split", {"SPLIT_MIN_ROW": 4096, "SPLIT_MAX_ROWS_PER_SM": 4, "SPLIT_BLOCK": 1024}, (3, 5000),
@@ -139,7 +144,7 @@ def test_cooperative_grids_match_float64_reference(component, case, monkeypatch)
 def test_the_interpreter_never_runs_a_cooperative_grid():
     """Its programs run one after another: a program waiting for its row's others would wait forever."""
     launch_module = importlib.import_module("triton_kernels.launch")
-    assert launch_module.row_strategy(1, 40000, torch.empty(0), one_array=True, cooperative=True) == "split"
+    assert launch_module.row_strategy(1, 40000, torch.empty(0), arrays=1, cooperative=True) == "split"
     assert launch_module.row_strategy(600, 40000, torch.empty(0), cooperative=True) == "looped"
 
 
@@ -217,8 +222,8 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
         config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
         module, reference = build_pair(component, "triton", config, device, dtype)
         inputs = make_inputs(module, shape, dtype, device)
-        assert launch_module.row_strategy(*shape, inputs[0], one_array=component == "softmax", cooperative=True,
-                                          loop_in_l2=component != "softmax") == strategy
+        assert launch_module.row_strategy(*shape, inputs[0], arrays=1 if component == "softmax" else 2,
+                                          cooperative=True, loop_in_l2=component != "softmax") == strategy
         assert_matches_float64_reference(module, reference, inputs, TOLERANCE[dtype])
         with torch.no_grad():  # inference: no statistics stored
             output, expected = module(*inputs), reference(*map(as_reference_input, inputs))

@@ -252,7 +252,8 @@ MAX_ONE_ARRAY_ROW_BLOCK = 32768
 forward: x becomes exp(x − max) in place) rather than two (the norms keep x and x − mean): 32 values a
 thread at 32 warps. The row is then read once instead of twice, and for float32 rows of 32,768 the H100
 measured the difference (profiling/results/h100/sweep.csv); the norms at this length spilled registers
-and ran slower than their looped kernel."""
+and ran slower than their looped kernel. A kernel that keeps four values a column (the norms' backward:
+x, dy and its running dw, db) holds half of ``MAX_ROW_BLOCK`` (``row_tile``'s ``arrays``)."""
 LOOPED_ROW_BLOCK = 4096
 MIN_TILE = 4096
 """Short rows are packed several to a program until a tile holds this many elements, so that every
@@ -270,16 +271,22 @@ class RowTile(NamedTuple):
 
 
 @functools.cache
-def row_tile(n: int, one_array: bool = False) -> RowTile:
-    """The launch shape for rows of ``n`` elements.
+def row_tile(n: int, arrays: int = 2) -> RowTile:
+    """The launch shape for rows of ``n`` elements, for a kernel that keeps ``arrays`` values a column in
+    registers (1: softmax's forward; 2: the norms' forward and softmax's backward; 4: the norms' backward).
 
-    Heuristic: the row rounded up to a power of two is one block if it fits in ``MAX_ROW_BLOCK``
-    (``MAX_ONE_ARRAY_ROW_BLOCK`` for a kernel that holds ``one_array`` of the row's values);
+    Heuristic: the row rounded up to a power of two is one block if it fits in ``MAX_ROW_BLOCK`` at two
+    arrays (``MAX_ONE_ARRAY_ROW_BLOCK`` at one, half of ``MAX_ROW_BLOCK`` at four);
     short rows are stacked until the tile reaches ``MIN_TILE`` elements; warps grow with the tile at
     one warp per 1024 elements (32 values a thread), between 4 and 32. Fewer, fuller threads won on
-    an H100: at N = 8192 the forward moved 2.84 TB/s with 8 warps and 2.43 TB/s with 16."""
+    an H100: at N = 8192 the forward moved 2.84 TB/s with 8 warps and 2.43 TB/s with 16.
+
+    Why four arrays hold half the row: 32 values a thread of each of four arrays are 128 registers before
+    any arithmetic, and 16 warps leave a thread 128 (an SM has 64K). The norms' backward at 16,384 on 16
+    warps spilled 536 bytes a thread to local memory, and on 32 or 8 warps too, where at 8192 on 8 warps
+    it fits in 255 registers and 64 bytes (profiling/results/row-kernel-registers.md)."""
     block_n = next_power_of_2(n)
-    if block_n > (MAX_ONE_ARRAY_ROW_BLOCK if one_array else MAX_ROW_BLOCK):
+    if block_n > (MAX_ONE_ARRAY_ROW_BLOCK if arrays == 1 else MAX_ROW_BLOCK * 2 // arrays):
         # 8 warps, 16 values a thread: with 4 warps a looped backward spilled registers.
         return RowTile(LOOPED_ROW_BLOCK, 1, 8, True)
     rows_per_tile = max(1, MIN_TILE // block_n)
@@ -378,21 +385,21 @@ def _a_row_an_sm_stays_in_l2(rows: int, n: int, tensor: torch.Tensor) -> bool:
     return rows >= multiprocessors and 2 * multiprocessors * n * tensor.element_size() <= _l2_cache_bytes(device)
 
 
-def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = False, cooperative: bool = False,
+def row_strategy(rows: int, n: int, tensor: torch.Tensor, arrays: int = 2, cooperative: bool = False,
                  loop_in_l2: bool = False) -> str:
     """How a row-wise kernel (LayerNorm, RMSNorm, softmax) covers a (rows, n) matrix on ``tensor``'s device:
 
     ``"tiled"``     short rows (``row_tile``'s block below ``MIN_TILE``): several rows a program, so each
                     program moves enough bytes to pay for its reductions;
-    ``"row"``       one row a program, in registers (rows up to ``MAX_ROW_BLOCK``);
-    ``"looped"``    one row a program, looped over in blocks (rows longer than ``MAX_ROW_BLOCK``; the
-                    norms' backward splits these rows too, layer_norm_backward.py says why);
+    ``"row"``       one row a program, in registers (rows up to ``row_tile``'s limit for ``arrays``);
+    ``"looped"``    one row a program, looped over in blocks (longer rows; the norms' backward splits
+                    these rows too, layer_norm_backward.py says why);
     ``"split"``     rows of at least ``SPLIT_MIN_ROW`` elements, fewer than ``SPLIT_MAX_ROWS_PER_SM`` per SM:
                     each row is cut into slices of ``SPLIT_BLOCK``, one program each; phase 1 reduces the
                     slices to partial statistics, phase 2 combines them and normalises
                     (layer_norm_split.py, softmax_split.py);
     ``"cooperative"`` on a GPU, for a kernel that has a ``cooperative`` version (the forwards, the norms'
-                    float32 backward), every row too long for one program's registers (``one_array``: as
+                    float32 backward), every row too long for one program's registers (``arrays``: as
                     ``row_tile`` counts them): slices of ``SPLIT_BLOCK`` in registers across a grid whose
                     programs are all resident, which wait for their row's partial statistics instead of
                     re-reading the row. The row crosses DRAM once, where "looped" and "split" read it
@@ -407,12 +414,12 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor, one_array: bool = Fals
     ``row_tile``'s cache) to run every strategy at sizes the interpreter takes in seconds. The
     interpreter counts as one SM."""
     # The row length first: the usual short row never asks for the SM count.
-    if cooperative and COOPERATIVE_ROWS and tensor.is_cuda and row_tile(n, one_array).looped:
+    if cooperative and COOPERATIVE_ROWS and tensor.is_cuda and row_tile(n, arrays).looped:
         return "looped_in_l2" if loop_in_l2 and _a_row_an_sm_stays_in_l2(rows, n, tensor) else "cooperative"
     if n >= SPLIT_MIN_ROW and rows < SPLIT_MAX_ROWS_PER_SM * (
             _multiprocessor_count(tensor.get_device()) if tensor.is_cuda else 1):
         return "split"
-    tile = row_tile(n)
+    tile = row_tile(n, arrays)
     return "looped" if tile.looped else ("tiled" if tile.rows_per_tile > 1 else "row")
 
 

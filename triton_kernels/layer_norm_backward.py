@@ -10,7 +10,8 @@ The one idea
     each walks a strided set of rows, keeps its running dw, db in registers, and leaves one row of a
     small (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's
     columns in a fixed order: deterministic, no atomics.
-    A row too long for registers cannot keep its dw, db there. Added row by row into a program's row of
+    A row too long for registers (past 8192 values: four arrays a column, ``ROW_ARRAYS``) cannot keep its
+    dw, db there. Added row by row into a program's row of
     the partial buffer in memory, they would cost 16 bytes of float32 read-modify-write an element (dw
     and db), against the 6 that bfloat16 x, dy and dx need: at 131,072 elements a row that capped the
     H100 near 23 % of copy bandwidth, and it measured 22 %. So every such row is split across programs
@@ -41,6 +42,10 @@ from .launch import (
 )
 from .layer_norm_split import SplitNormBackwardLaunch, allocate_partial_gradients
 
+ROW_ARRAYS = 4
+"""Values a column the row kernel keeps in registers: x, dy and the running dw, db (``launch.row_tile``'s
+``arrays``): twice the forward's, so it holds rows half as long, 8192 values. At 16,384 it spilled
+registers to local memory; there the rows are split as longer ones are."""
 BACKWARD_WARPS_PER_SM = 8
 """How many warps of persistent backward programs to launch per SM. A program keeps x, dy, w and its
 running dw, db in registers: ~220 a thread at N = 8192 with 8 warps, so one program fills most of an
@@ -194,7 +199,7 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
         return torch.empty_like(x), torch.zeros_like(weight), grad_bias
     # Rows too long for registers: each split across programs, on a cooperative grid in float32 on a GPU
     # (bfloat16's measured slower there: layer_norm_split.SplitNormBackwardLaunch says why).
-    strategy = row_strategy(rows, n, x, cooperative=x.dtype == torch.float32)
+    strategy = row_strategy(rows, n, x, ROW_ARRAYS, cooperative=x.dtype == torch.float32)
     if strategy in ("looped", "split", "cooperative"):
         plan = SplitNormBackwardRows(
             SplitNormBackwardLaunch.plan(x, rows, n, subtract_mean, cooperative=strategy == "cooperative"), {})
@@ -207,7 +212,7 @@ def _plan_norm_bwd_rows(x: torch.Tensor, rows: int, n: int, subtract_mean: bool)
     """dx by the persistent kernel, rows (or tiles of rows) held in registers, leaving (programs, n)
     partial dw, db buffers for the column reduction; or one program that takes every tile
     (``ONE_PROGRAM_TILES``) and writes grad_weight and grad_bias itself."""
-    tile = row_tile(n)
+    tile = row_tile(n, ROW_ARRAYS)
     tiles = cdiv(rows, tile.rows_per_tile)
     one_program = tiles <= ONE_PROGRAM_TILES
     programs = 1 if one_program else persistent_program_count(

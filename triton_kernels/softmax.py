@@ -156,7 +156,7 @@ def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     rows, n = check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
     return _run_row_kernels(signature, softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split,
-                            rows, n, x, one_array=True, cooperative=True)
+                            rows, n, x, arrays=1, cooperative=True)
 
 
 class SoftmaxLaunch(NamedTuple):
@@ -183,18 +183,18 @@ _SOFTMAX_LAUNCHES = SignatureTable()
 
 
 def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launcher, rows: int, n: int,
-                     *inputs: torch.Tensor, one_array: bool = False, cooperative: bool = False) -> torch.Tensor:
+                     *inputs: torch.Tensor, arrays: int = 2, cooperative: bool = False) -> torch.Tensor:
     """One output shaped like the (..., N) ``inputs``, walked as (``rows``, ``n``) matrices
     (``launch.row_matrix``, which the caller has already asked) by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
     (``tiled_kernel``), longer rows one to a program looping over their blocks (``looped_kernel``), a
-    few long rows split across programs (``split_launcher``, softmax_split.py). ``one_array``: the
-    tiled kernel holds one value an element (``launch.row_tile``), so longer rows fit its registers.
+    few long rows split across programs (``split_launcher``, softmax_split.py). ``arrays``: the values a
+    column the tiled kernel holds in registers (``launch.row_tile``): 1 in the forward, so longer rows fit.
     ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row.
     A row kernel's launch is kept under ``signature``."""
     if rows == 0:  # no elements: row_matrix counts no rows when N is 0
         return torch.empty_like(inputs[-1])
-    strategy = row_strategy(rows, n, inputs[-1], one_array, cooperative)
+    strategy = row_strategy(rows, n, inputs[-1], arrays, cooperative)
     if strategy == "cooperative":
         out = torch.empty_like(inputs[-1])
         split_launcher(*inputs, out, rows, n, cooperative=True)
@@ -203,7 +203,7 @@ def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launch
         out = torch.empty_like(inputs[-1])
         split_launcher(*inputs, out, rows, n)
         return out
-    tile = row_tile(n, one_array)
+    tile = row_tile(n, arrays)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(inputs[-1].dtype), num_warps=tile.num_warps)
     if tile.looped:
         planned = SoftmaxLaunch(looped_kernel, (rows,), (n,), constants)
