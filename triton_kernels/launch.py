@@ -283,8 +283,9 @@ def row_tile(n: int, arrays: int = 2) -> RowTile:
 
     Why four arrays hold half the row: 32 values a thread of each of four arrays are 128 registers before
     any arithmetic, and 16 warps leave a thread 128 (an SM has 64K). The norms' backward at 16,384 on 16
-    warps spilled 536 bytes a thread to local memory, and on 32 or 8 warps too, where at 8192 on 8 warps
-    it fits in 255 registers and 64 bytes (profiling/results/row-kernel-registers.md)."""
+    warps spilled 528 bytes a thread to local memory in bfloat16 and 1368 in float32, and on 32 or 8 warps
+    too, where at 8192 on 8 warps it fits in 254 registers (Triton 3.6 for sm_90:
+    profiling/results/kernel-registers.md)."""
     block_n = next_power_of_2(n)
     if block_n > (MAX_ONE_ARRAY_ROW_BLOCK if arrays == 1 else MAX_ROW_BLOCK * 2 // arrays):
         # 8 warps, 16 values a thread: with 4 warps a looped backward spilled registers.
