@@ -940,16 +940,23 @@ _LONG_ROWS = [("layer_norm", {"normalized_shape": 1 << 17}), ("rms_norm", {"norm
 @pytest.mark.parametrize("component,config", _LONG_ROWS, ids=[component for component, _ in _LONG_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_rows_too_long_for_one_program_are_replayed_over_either_grid(component, config, dtype, grid, monkeypatch):
-    """Rows too long for one program ask for a cooperative grid. Four rows of 2^17 fit one at once on any GPU
+    """Rows too long for one program ask for a cooperative grid. All four rows of 2^17 fit at once on any GPU
     of this course, and it launches: the C++ op zeroes its row counters and launches it cooperatively too.
     Where the GPU holds too few rows at once (here: forced), the forward and the backward run their two
     phases instead, and the C++ op replays those."""
-    if grid == "two phases":
-        monkeypatch.setattr(launch_module, "_rows_at_once", lambda resident, rows, slices: 0)
+    fitting_rows = launch_module._rows_at_once
+    answers = []  # rows at once, as each call that asked for the grid was told (0: two phases)
+
+    def rows_at_once(resident, rows, slices):
+        answers.append(0 if grid == "two phases" else fitting_rows(resident, rows, slices))
+        return answers[-1]
+
+    monkeypatch.setattr(launch_module, "_rows_at_once", rows_at_once)
     module, reference = build_pair(component, "triton", config, "cuda", dtype)
     for _ in range(4):
         names = _fresh_fwd_bwd_matches(module, reference, (4, 1 << 17), dtype)
     assert "TritonBackward" in names, replay.plans()
+    assert answers and (all(answers) if grid == "cooperative" else not any(answers)), answers
 
 
 @pytest.mark.gpu

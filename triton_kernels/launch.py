@@ -252,8 +252,7 @@ MAX_ONE_ARRAY_ROW_BLOCK = 32768
 forward: x becomes exp(x − max) in place) rather than two (the norms keep x and x − mean): 32 values a
 thread at 32 warps. The row is then read once instead of twice, and for float32 rows of 32,768 the H100
 measured the difference (profiling/results/h100/sweep.csv); the norms at this length spilled registers
-and ran slower than their looped kernel. A kernel that keeps four values a column (the norms' backward:
-x, dy and its running dw, db) holds half of ``MAX_ROW_BLOCK`` (``row_tile``'s ``arrays``)."""
+and ran slower than their looped kernel."""
 LOOPED_ROW_BLOCK = 4096
 MIN_TILE = 4096
 """Short rows are packed several to a program until a tile holds this many elements, so that every

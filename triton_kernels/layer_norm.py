@@ -21,7 +21,8 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
                                         ``launch.L2_LOOPED_TILE``), which runs it only for rows that fit
                                         there; longer ones cross DRAM once on the split file's cooperative grid
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
-                                        longer than MAX_ROW_BLOCK take the split backward instead
+                                        longer than half of MAX_ROW_BLOCK (it keeps four arrays a column:
+                                        ``layer_norm_backward.ROW_ARRAYS``) take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
 
 The one idea that makes it fast
@@ -49,7 +50,8 @@ Measured (H100, 8192 × 8192, kernels alone)
 Limits
     Any N ≥ 1: rows longer than MAX_ROW_BLOCK (16384) are looped over, or split across a cooperative
     grid forward on a GPU, or split in two phases when they are too few to fill the SMs; never rejected.
-    Backward they are always split: across a cooperative grid in float32 on a GPU, else in two phases.
+    Backward they are always split, and so are rows past 8192: across a cooperative grid in float32 on a
+    GPU, else in two phases.
     The backward's partial buffers have at most min(rows, a few × SMs) rows of N float32 values.
     float16, bfloat16, float32, float64 on the GPU (statistics and sums in float32, float64 for float64);
     float32 and float64 under the interpreter.

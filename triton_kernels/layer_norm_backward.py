@@ -11,11 +11,10 @@ The one idea
     small (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's
     columns in a fixed order: deterministic, no atomics.
     A row too long for registers (past 8192 values: four arrays a column, ``ROW_ARRAYS``) cannot keep its
-    dw, db there. Added row by row into a program's row of
-    the partial buffer in memory, they would cost 16 bytes of float32 read-modify-write an element (dw
-    and db), against the 6 that bfloat16 x, dy and dx need: at 131,072 elements a row that capped the
-    H100 near 23 % of copy bandwidth, and it measured 22 %. So every such row is split across programs
-    instead (``layer_norm_split.py``): programs own a column slice and a group of rows, keep that
+    dw, db there. Added row by row into a program's row of the partial buffer in memory, they would cost
+    16 bytes of float32 read-modify-write an element (dw and db), against the 6 that bfloat16 x, dy and
+    dx need: at 131,072 elements a row that capped the H100 near 23 % of copy bandwidth, and it measured
+    22 %. So every such row is split across programs instead (``layer_norm_split.py``): programs own a column slice and a group of rows, keep that
     slice's dw, db in registers, and leave partial rows that the same column reduction sums.
 
 Check
