@@ -931,6 +931,13 @@ def test_a_signatures_later_calls_are_the_cpp_op_and_stay_right(component, confi
     assert "TritonBackward" in _fresh_fwd_bwd_matches(module, reference, shape, dtype)
 
 
+def _forget_recorded_plans():
+    """Empty every eager op's replay plans, refusals included: a test that counts what Python does on the
+    first calls of a signature must not find it recorded by an earlier test in the same worker."""
+    for function in importlib.import_module("triton_kernels.eager").EagerFunction.__subclasses__():
+        function._replay_plans.clear()
+
+
 _LONG_ROWS = [("layer_norm", {"normalized_shape": 1 << 17}), ("rms_norm", {"normalized_shape": 1 << 17}),
               ("softmax", {"dim": -1})]
 
@@ -952,6 +959,7 @@ def test_rows_too_long_for_one_program_are_replayed_over_either_grid(component, 
         return answers[-1]
 
     monkeypatch.setattr(launch_module, "_rows_at_once", rows_at_once)
+    _forget_recorded_plans()  # the other grid's test of this signature, run before in this worker, recorded it
     module, reference = build_pair(component, "triton", config, "cuda", dtype)
     for _ in range(4):
         names = _fresh_fwd_bwd_matches(module, reference, (4, 1 << 17), dtype)
@@ -964,10 +972,8 @@ def test_a_gpt_training_step_runs_every_level_4_op_but_the_loss_from_cpp():
     """Once a step's first calls and backwards are recorded, level 4's GPT runs its LayerNorms, projections,
     attention and feed-forwards from C++. The LM head + loss keeps its Python: it counts the targets that are
     not ignored and checks their range on the host, work and a wait the C++ op could not repeat."""
-    eager = importlib.import_module("triton_kernels.eager")
     tiny = importlib.import_module("levels.gpt").TINY
-    for function in eager.EagerFunction.__subclasses__():
-        function._replay_plans.clear()  # what earlier tests recorded, refusals included
+    _forget_recorded_plans()
     model = levels.build("gpt", "triton", **dict(tiny, block_size=32)).to("cuda")
     idx, targets = (torch.randint(0, tiny["vocab_size"], (2, 32), device="cuda") for _ in range(2))
     for _ in range(3):
@@ -985,10 +991,11 @@ def test_a_backward_that_runs_pytorch_ops_stays_in_python_and_right(monkeypatch)
     launch_backward = softmax.launch_softmax_bwd_unchecked
 
     def with_a_pytorch_op(grad_out, y):
-        torch.zeros(1, device=y.device)  # work the node could not replay
+        torch.ones(1, device=y.device)  # work the node could not replay (a zero fill it could)
         return launch_backward(grad_out, y)
 
     monkeypatch.setattr(softmax, "launch_softmax_bwd_unchecked", with_a_pytorch_op)
+    _forget_recorded_plans()  # a plan recorded without that op would replay it
     module, reference = build_pair("softmax", "triton", {"dim": -1}, "cuda", torch.float32)
     for _ in range(3):
         assert "TritonBackward" not in _fresh_fwd_bwd_matches(module, reference, (48, 520), torch.float32)
