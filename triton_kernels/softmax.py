@@ -38,7 +38,8 @@ Measured (H100 80GB HBM3, Triton 3.6, CUDA-event medians; copy bandwidth measure
     64 rows of 300000 (online kernels): forward 0.90 TB/s, backward 0.97 TB/s: 64 programs on 132
     SMs, each walking its row alone. Such rows (few, at least launch.SPLIT_MIN_ROW long) are now split
     across programs instead (softmax_split.py: partial maxima and sums in a first launch, merged in a
-    second); not yet measured on the GPU.
+    second), or across a cooperative grid; the row-length sweep times them
+    (profiling/results/h200/sweep-*.csv).
 
 Limits
     Any N (rows of any length are looped over, or split across programs, never rejected), contiguous
