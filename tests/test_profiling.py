@@ -14,6 +14,7 @@ from torch import nn
 import levels
 from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
+from profiling.peaks import copy_bytes
 from profiling.gpu_suite import FASTEST_REFERENCE, OWN_VALUE, Target, check_targets
 from profiling.timing import Timing, time_back_to_back, time_runs, time_side_by_side
 
@@ -189,6 +190,10 @@ def test_a_percent_above_100_gets_a_footnote_saying_why():
     assert "stay in the caches" in plot_comparison(memory).get_xlabel()
     assert "measured 1024×1024 matmul" in format_table(synthetic_table("compute", pct=130.0))
     assert "*" not in format_table(synthetic_table("memory", pct=99.0))
+    # A call as large as the copy that sets 100 % (AdamW over GPT-2's parameters: 1.7 GB) stays in no cache.
+    large = synthetic_table("memory", pct=101.0)
+    large.attrs["bytes_moved"] = 2 * copy_bytes("cpu")
+    assert "no cache holds it" in format_table(large) and "stay in the caches" not in format_table(large)
 
 
 def test_targets_read_eager_times_with_graph_replay_beside_them():
