@@ -459,7 +459,9 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, tile: MatmulTile | None,
 
     What stays with the pointer kernel, and why: a weight gradient grad_outᵀ·x (A transposed, with the
     bias gradient's row sums), where the TMA kernel ran 3-27 % slower on an H100, and 25-107 % slower on an
-    H200 with the row sums in the TMA kernel too (profiling/results/h200/gelu-epilogues.md). The GELU
+    H200 with the row sums in the TMA kernel too (profiling/results/h200/gelu-epilogues.md). Without row sums
+    (the loss's weight gradient, accumulated in float32) it tied or lost too, by 9 % on an H200
+    (profiling/results/h200/lce-grad-weight-tma-f1cc652.md). The GELU
     epilogues used to stay as well: with the exact tanh, the TMA kernel's one program an SM waited out each
     tile's long epilogue, where the pointer kernel's two programs an SM overlapped it with a K loop. With
     ``tanh.approx`` the epilogue is short enough that the TMA kernel wins (same file)."""
