@@ -74,6 +74,11 @@ STRATEGY_CASES = {
     # than ONE_PROGRAM_TILES, so their programs leave partial rows for the column reduction)
     "row": ("row", {}, (9, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
             {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
+    # softmax's rows as long as a program's registers hold: persistent programs that load their next row early
+    # (launch.loads_next_row_early); 9 rows on the interpreter's 4 programs, so each walks two or three
+    "row-longest": ("row", {"MAX_ONE_ARRAY_ROW_BLOCK": 8192}, (9, 5000),
+                    {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
+                    {"_softmax_fwd_next_row_kernel", "_softmax_bwd_kernel"}),
     # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
     # softmax's backward has no sum across rows, so its looped row stays one program's
     "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024,
@@ -139,6 +144,16 @@ def test_cooperative_grids_match_float64_reference(component, case, monkeypatch)
         backward = {"_norm_bwd_cooperative_kernel"} if dtype == torch.float32 else NORM_SPLIT_BACKWARD_KERNELS
         kernels = {forward, "_layer_norm_bwd_dwdb_kernel", *backward}
     _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,forward", [(torch.bfloat16, "_softmax_fwd_next_row_kernel"),
+                                           (torch.float16, "_softmax_fwd_next_row_kernel"),
+                                           (torch.float32, "_softmax_fwd_kernel")])
+def test_a_gpu_loads_the_next_16_bit_row_early_at_the_longest_rows_registers_hold(dtype, forward, monkeypatch):
+    """300 rows (more than the SMs: each program walks two or three) of 20,000 values, a 32,768 block."""
+    _check_row_strategy("softmax", "cuda", "row", {}, (300, 20000), dtype, {forward, "_softmax_bwd_kernel"},
+                        monkeypatch)
 
 
 def test_the_interpreter_never_runs_a_cooperative_grid():

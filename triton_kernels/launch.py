@@ -294,6 +294,18 @@ def row_tile(n: int, arrays: int = 2) -> RowTile:
     return RowTile(block_n, rows_per_tile, max(4, min(32, tile // 1024)), False)
 
 
+def loads_next_row_early(tile: RowTile, dtype: torch.dtype) -> bool:
+    """Whether a one-array forward (softmax's) on ``tile`` walks its rows persistently, each program loading
+    its next row while it reduces this one (``softmax._softmax_fwd_next_row_kernel``, which says why): for
+    16-bit rows as long as registers hold, where the row kernel fills an SM with one program. On an H200 at
+    (2048, 32768) bfloat16 it read 84.8 % of copy bandwidth against the row kernel's 75.2 %; at 16,384 (16
+    warps, two programs an SM) it lost, 72.7 against 90.4 %, and in float32 at 32,768 too, 64.9 against 94.7
+    (profiling/results/h200/softmax-next-row.md). The interpreter takes it at any dtype, so that the CPU tests
+    check its indexing too."""
+    return (not tile.looped and tile.block_n == MAX_ONE_ARRAY_ROW_BLOCK
+            and (dtype.itemsize == 2 or interpreter_is_on()))
+
+
 L2_LOOPED_TILE = RowTile(16384, 1, 32, True)
 """The norms' looped forward's tile on a GPU (``row_strategy``'s "looped_in_l2"). A looped row crosses DRAM
 once only if its second pass finds it still in L2, so the tile is chosen for how many rows are in flight,

@@ -8,6 +8,8 @@ What it computes
 Kernels, in the order they run
     ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
                                      exp, sum, write once
+    ``_softmax_fwd_next_row_kernel`` the same for 16-bit rows of 16,385-32,768, persistent: a program
+                                     loads its next row while it reduces this one
     ``softmax_fwd_online_kernel``   rows longer than MAX_ONE_ARRAY_ROW_BLOCK: pass 1 keeps a running
                                      maximum and a running sum, rescaled whenever the maximum grows
                                      (the *online* softmax); pass 2 normalises. The row is read twice
@@ -59,7 +61,8 @@ import triton.language as tl
 
 from .eager import EagerFunction, refuse_tangents
 from .launch import (SignatureTable, cdiv, check_contiguous, check_inputs, compute_dtype, exp_on_sfu, launch,
-                     on_device, require, row_matrix, row_strategy, row_tile)
+                     loads_next_row_early, on_device, persistent_program_count, require, row_matrix, row_strategy,
+                     row_tile)
 from .softmax_split import launch_softmax_bwd_split, launch_softmax_fwd_split
 
 # --- input checks (launchers and fake implementations) ----------------------------------------------
@@ -97,6 +100,33 @@ def _softmax_fwd_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: t
     numerators = exp_on_sfu(x - tl.max(x, axis=1)[:, None])
     y = numerators * (1.0 / tl.sum(numerators, axis=1))[:, None]
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_next_row_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """``_softmax_fwd_kernel`` for the longest rows held in registers, 16-bit, persistent: one program an SM
+    walks every (number of programs)-th row and loads its next row before it reduces this one.
+
+    Why: a row of 32,768 values takes a program of 32 warps, the whole register file, so an SM holds one
+    program, and one row's load is all it has in flight. While the program waits out its two reductions
+    (a max and a sum across 1024 threads) and writes y, that SM reads nothing, and the row kernel reached
+    75 % of copy bandwidth in bfloat16 on an H200. Issued first, the next row's load is in flight through
+    all of it. It waits as 16-bit values, 16 registers a thread; in float32 it would take 32 more, past the
+    64 a thread has at 32 warps, and spill (profiling/results/h200/softmax-next-row.md)."""
+    cols = tl.arange(0, BLOCK_N)
+    row = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0)
+    # A program with no next row (past n_rows) masks its whole load: cols < 0 is false everywhere.
+    next_x = tl.load(X + row * N + cols, mask=cols < tl.where(row < n_rows, N, 0), other=float("-inf"))
+    for _ in range(tl.program_id(0), n_rows, step):
+        x = next_x.to(COMPUTE)
+        following = row + step
+        next_x = tl.load(X + following * N + cols, mask=cols < tl.where(following < n_rows, N, 0),
+                         other=float("-inf"))
+        numerators = exp_on_sfu(x - tl.max(x, axis=0))
+        y = numerators * (1.0 / tl.sum(numerators, axis=0))
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+        row = following
 
 
 @triton.jit
@@ -157,7 +187,7 @@ def launch_softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     rows, n = check_softmax_shapes("softmax_forward", x)
     check_inputs("softmax_forward", x)
     return _run_row_kernels(signature, softmax_fwd_online_kernel, _softmax_fwd_kernel, launch_softmax_fwd_split,
-                            rows, n, x, arrays=1, cooperative=True)
+                            rows, n, x, arrays=1, cooperative=True, next_row_kernel=_softmax_fwd_next_row_kernel)
 
 
 class SoftmaxLaunch(NamedTuple):
@@ -184,7 +214,8 @@ _SOFTMAX_LAUNCHES = SignatureTable()
 
 
 def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launcher, rows: int, n: int,
-                     *inputs: torch.Tensor, arrays: int = 2, cooperative: bool = False) -> torch.Tensor:
+                     *inputs: torch.Tensor, arrays: int = 2, cooperative: bool = False,
+                     next_row_kernel=None) -> torch.Tensor:
     """One output shaped like the (..., N) ``inputs``, walked as (``rows``, ``n``) matrices
     (``launch.row_matrix``, which the caller has already asked) by the strategy
     ``launch.row_strategy`` picks: rows that fit a block go several (or one) to a program
@@ -192,7 +223,8 @@ def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launch
     few long rows split across programs (``split_launcher``, softmax_split.py). ``arrays``: the values a
     column the tiled kernel holds in registers (``launch.row_tile``): 1 in the forward, so longer rows fit.
     ``cooperative``: ``split_launcher`` has a cooperative version, which a GPU runs for every longer row.
-    A row kernel's launch is kept under ``signature``."""
+    ``next_row_kernel``: a persistent ``tiled_kernel`` that loads a program's next row early, for the rows
+    ``launch.loads_next_row_early`` names. A row kernel's launch is kept under ``signature``."""
     if rows == 0:  # no elements: row_matrix counts no rows when N is 0
         return torch.empty_like(inputs[-1])
     strategy = row_strategy(rows, n, inputs[-1], arrays, cooperative)
@@ -208,6 +240,9 @@ def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launch
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(inputs[-1].dtype), num_warps=tile.num_warps)
     if tile.looped:
         planned = SoftmaxLaunch(looped_kernel, (rows,), (n,), constants)
+    elif next_row_kernel is not None and loads_next_row_early(tile, inputs[-1].dtype):
+        planned = SoftmaxLaunch(next_row_kernel, (persistent_program_count(inputs[-1], rows, 1),), (rows, n),
+                                constants)
     else:
         planned = SoftmaxLaunch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), (rows, n),
                                 constants | {"ROWS_PER_TILE": tile.rows_per_tile})
