@@ -14,8 +14,8 @@ from torch import nn
 import levels
 from profiling import COLUMNS, call_overhead, compare_optimization_levels, format_table, plot_comparison
 from profiling.cli import main
-from profiling.peaks import copy_bytes
 from profiling.gpu_suite import FASTEST_REFERENCE, OWN_VALUE, Target, check_targets
+from profiling.peaks import copy_bytes
 from profiling.timing import Timing, time_back_to_back, time_runs, time_side_by_side
 
 from .conftest import level_devices

@@ -114,19 +114,22 @@ def _softmax_fwd_next_row_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, COMPUTE
     all of it. It waits as 16-bit values, 16 registers a thread; in float32 it would take 32 more, past the
     64 a thread has at 32 warps, and spill (profiling/results/h200/softmax-next-row.md)."""
     cols = tl.arange(0, BLOCK_N)
-    row = tl.program_id(0).to(tl.int64)
     step = tl.num_programs(0)
-    # A program with no next row (past n_rows) masks its whole load: cols < 0 is false everywhere.
-    next_x = tl.load(X + row * N + cols, mask=cols < tl.where(row < n_rows, N, 0), other=float("-inf"))
-    for _ in range(tl.program_id(0), n_rows, step):
+    next_x = _row_if_any(X, tl.program_id(0), n_rows, N, cols)
+    for row in range(tl.program_id(0), n_rows, step):
         x = next_x.to(COMPUTE)
-        following = row + step
-        next_x = tl.load(X + following * N + cols, mask=cols < tl.where(following < n_rows, N, 0),
-                         other=float("-inf"))
+        next_x = _row_if_any(X, row + step, n_rows, N, cols)
         numerators = exp_on_sfu(x - tl.max(x, axis=0))
         y = numerators * (1.0 / tl.sum(numerators, axis=0))
-        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
-        row = following
+        tl.store(Y + tl.cast(row, tl.int64) * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _row_if_any(X, row, n_rows, N, cols):
+    """Row ``row`` of the (n_rows, N) matrix at X, padded with −inf; all −inf past the last row (cols < 0 is
+    false everywhere), so a program's load of the row after its last one reads nothing."""
+    return tl.load(X + tl.cast(row, tl.int64) * N + cols, mask=cols < tl.where(row < n_rows, N, 0),
+                   other=float("-inf"))
 
 
 @triton.jit
