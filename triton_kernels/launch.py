@@ -297,23 +297,41 @@ def row_tile(n: int, arrays: int = 2) -> RowTile:
 def loads_next_row_early(tile: RowTile, dtype: torch.dtype) -> bool:
     """Whether a one-array forward (softmax's) on ``tile`` walks its rows persistently, each program loading
     its next row while it reduces this one (``softmax._softmax_fwd_next_row_kernel``, which says why): for
-    16-bit rows as long as registers hold, where the row kernel fills an SM with one program. On an H200 at
-    (2048, 32768) bfloat16 it read 84.8 % of copy bandwidth against the row kernel's 75.2 %; at 16,384 (16
-    warps, two programs an SM) it lost, 72.7 against 90.4 %, and in float32 at 32,768 too, 64.9 against 94.7
-    (profiling/results/h200/softmax-next-row.md). The interpreter takes it at any dtype, so that the CPU tests
-    check its indexing too."""
+    bfloat16 rows as long as registers hold, where the row kernel fills an SM with one program. On an H200 at
+    (2048, 32768) bfloat16 it read 82.8 % of copy bandwidth against the row kernel's 74.7 %. It lost
+    everywhere else it was timed there: at 16,384 (16 warps, two programs an SM, which already overlap each
+    other's waits), 72.7 against 90.4 %; in float32 at 32,768, 64.9 against 94.7 (the waiting row takes
+    registers the program does not have); and in float16 at 32,768, 65.6 against 74.9, a loss whose cause
+    this probe did not find (profiling/results/h200/softmax-next-row.md). The interpreter takes it at any
+    dtype, so that the CPU tests check its indexing too."""
     return (not tile.looped and tile.block_n == MAX_ONE_ARRAY_ROW_BLOCK
-            and (dtype.itemsize == 2 or interpreter_is_on()))
+            and (dtype == torch.bfloat16 or interpreter_is_on()))
 
 
-L2_LOOPED_TILE = RowTile(16384, 1, 32, True)
-"""The norms' looped forward's tile on a GPU (``row_strategy``'s "looped_in_l2"). A looped row crosses DRAM
-once only if its second pass finds it still in L2, so the tile is chosen for how many rows are in flight,
-not for one program's speed: 32 warps of 16 values a thread fill an SM's register file, so each SM runs
-one program, one row, at a time: 132 rows on an H100, 17 MB at 32,768 float32 values a row, which its
-50 MB L2 holds. The 8-warp ``row_tile`` runs several programs an SM, their rows overflow L2, and the
-second pass reads DRAM again: two reads, about 2/3 of copy bandwidth
-(profiling/results/h100/looped-rows-in-l2.md)."""
+def l2_looped_tile(element_size: int, subtract_mean: bool) -> RowTile:
+    """The norms' looped forward's tile on a GPU (``row_strategy``'s "looped_in_l2"), by the bytes of an
+    element and the norm (LayerNorm subtracts the mean, RMSNorm does not).
+
+    A looped row crosses DRAM once only if its second pass finds it still in L2, so the tile is chosen for
+    how many rows are in flight, not for one program's speed: every tile here fills an SM's register file
+    (32 warps of 64 registers, or 16 of 128), so each SM runs one program, one row, at a time: 132 rows on
+    an H100, 17 MB at 32,768 float32 values a row, which its 50 MB L2 holds. The 8-warp ``row_tile`` runs
+    several programs an SM, their rows overflow L2, and the second pass reads DRAM again: two reads, about
+    2/3 of copy bandwidth (profiling/results/h100/looped-rows-in-l2.md).
+
+    Within that, the tile that measured fastest on an H200 (profiling/results/h200/norm-looped-tiles.md):
+    - float32: blocks of 32,768 (32 values a thread, 32 warps). A program waits out a block-wide reduction
+      after each block of its first pass and loads nothing meanwhile; the wider block halves those waits.
+      At rows of 32,768 LayerNorm went from 76.7 to 85.3 % of copy bandwidth, RMSNorm from 89.7 to 97.0,
+      though Triton 3.6 spills 112-144 bytes a thread there.
+    - bfloat16 LayerNorm: blocks of 16,384 on 16 warps (32 values a thread, 128 registers): 79.0 against
+      73.1 % at 32,768, 76.1 against 73.2 at 65,536. RMSNorm lost on 16 warps at 65,536 (71 against 82 %)
+      and keeps 32; why the two norms part there, these runs do not say.
+    - float64: blocks of 16,384 on 32 warps, as first measured."""
+    if element_size == 4:
+        return RowTile(32768, 1, 32, True)
+    return RowTile(16384, 1, 16 if element_size == 2 and subtract_mean else 32, True)
+
 
 SPLIT_MIN_ROW = 32768
 """Rows at least this long may be split across programs (``row_strategy``): below it a row is cheap
@@ -389,12 +407,14 @@ def arrive_and_wait(Arrivals, expected):
 
 
 def _a_row_an_sm_stays_in_l2(rows: int, n: int, tensor: torch.Tensor) -> bool:
-    """Whether ``L2_LOOPED_TILE``'s programs, one row an SM, find their rows in L2 on the second pass: every SM
-    gets a row, and the rows in flight fill at most half of L2 (the other half takes y and other programs'
-    lines)."""
+    """Whether ``l2_looped_tile``'s programs, one row an SM, find their rows in L2 on the second pass: every SM
+    gets a row, and the rows in flight fit in L2. On an H200 (60 MB of L2) the loop beat the cooperative grid
+    with 35 MB in flight (rows of 65,536 float32: LayerNorm 75.1 against 70.6 % of copy bandwidth, RMSNorm
+    86.2 against 76.7; 131,072 bfloat16: 63-64 against 58-64) and lost with 69 MB (131,072 float32: 66-70
+    against 67-73) (profiling/results/h200/norm-looped-tiles.md)."""
     device = tensor.get_device()
     multiprocessors = _multiprocessor_count(device)
-    return rows >= multiprocessors and 2 * multiprocessors * n * tensor.element_size() <= _l2_cache_bytes(device)
+    return rows >= multiprocessors and multiprocessors * n * tensor.element_size() <= _l2_cache_bytes(device)
 
 
 def row_strategy(rows: int, n: int, tensor: torch.Tensor, arrays: int = 2, cooperative: bool = False,
@@ -418,8 +438,8 @@ def row_strategy(rows: int, n: int, tensor: torch.Tensor, arrays: int = 2, coope
                     twice (at most 2/3 of copy bandwidth). The interpreter never gets it: it runs programs
                     one at a time, so one that waits for another would wait forever.
     ``"looped_in_l2"`` on a GPU, instead of "cooperative", for a forward that asks ``loop_in_l2`` (the
-                    norms'): rows short enough that one an SM fits in half of L2, enough of them to fill
-                    every SM. One row a program, looped over with ``L2_LOOPED_TILE``, whose second read
+                    norms'): rows short enough that one an SM fits in L2, enough of them to fill
+                    every SM. One row a program, looped over with ``l2_looped_tile``, whose second read
                     comes from L2. (Softmax's online loop, exps in both passes, did not win there.)
 
     The thresholds are module constants read at each call, so a test can lower them (and clear

@@ -18,7 +18,7 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula), pass 2 normalises; the row is read twice, the
                                         second time from L2 on a GPU (one row an SM in flight:
-                                        ``launch.L2_LOOPED_TILE``), which runs it only for rows that fit
+                                        ``launch.l2_looped_tile``), which runs it only for rows that fit
                                         there; longer ones cross DRAM once on the split file's cooperative grid
     ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
                                         longer than half of MAX_ROW_BLOCK (it keeps four arrays a column:
@@ -35,7 +35,7 @@ The one idea that makes it fast
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
     least 4096 elements, several rows a program; a row a program, in registers; on a GPU, longer rows
-    looped over one an SM while that many fit in half of L2 (``launch.L2_LOOPED_TILE``), longer still
+    looped over one an SM while that many fit in L2 (``launch.l2_looped_tile``), longer still
     split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
     program, looped over; or, for a few long rows, each row split across programs in two phases.
     ``launch.row_tile``: the row rounded up to a power of two is one block; one warp per 1024
@@ -69,7 +69,6 @@ import triton.language as tl
 
 from .eager import EagerFunction, refuse_tangents
 from .launch import (
-    L2_LOOPED_TILE,
     RowTile,
     SignatureTable,
     accumulator_dtype,
@@ -77,6 +76,7 @@ from .launch import (
     check_contiguous,
     check_inputs,
     compute_dtype,
+    l2_looped_tile,
     launch,
     on_device,
     require,
@@ -276,7 +276,7 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         planned = SplitNormForwardLaunch.plan(x, rows, n, eps, subtract_mean, keep_statistics,
                                               cooperative=strategy == "cooperative")
         return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
-    tile = L2_LOOPED_TILE if strategy == "looped_in_l2" else norm_row_tile(n, x.dtype)
+    tile = l2_looped_tile(x.element_size(), subtract_mean) if strategy == "looped_in_l2" else norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
     if tile.looped:

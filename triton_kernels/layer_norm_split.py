@@ -25,7 +25,7 @@ Read once: the cooperative forward (a GPU only)
     programs an SM; profiling/results/h100/cooperative-grids.md), and the matrix streamed through L2,
     which reads x once only while few enough slices are in flight, and then too few programs run
     (profiling/results/h100/long-rows-streamed.md, h200/long-row-probes.md). Rows as short as 32,768
-    now loop instead, one an SM, and find their second read in L2 (``launch.L2_LOOPED_TILE``;
+    now loop instead, one an SM, and find their second read in L2 (``launch.l2_looped_tile``;
     profiling/results/h100/looped-rows-in-l2.md). The float32 backward has a cooperative grid too
     (``_norm_bwd_cooperative_kernel``): x and dy stay in registers while the row's Σx̂·g and Σg gather,
     and each program keeps one column slice for good, so its dw, db stay in registers across its rows.

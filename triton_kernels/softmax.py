@@ -8,7 +8,7 @@ What it computes
 Kernels, in the order they run
     ``_softmax_fwd_kernel``          a row (or a tile of short rows) held in registers: read once, max,
                                      exp, sum, write once
-    ``_softmax_fwd_next_row_kernel`` the same for 16-bit rows of 16,385-32,768, persistent: a program
+    ``_softmax_fwd_next_row_kernel`` the same for bfloat16 rows of 16,385-32,768, persistent: a program
                                      loads its next row while it reduces this one
     ``softmax_fwd_online_kernel``   rows longer than MAX_ONE_ARRAY_ROW_BLOCK: pass 1 keeps a running
                                      maximum and a running sum, rescaled whenever the maximum grows
@@ -103,8 +103,9 @@ def _softmax_fwd_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, ROWS_PER_TILE: t
 
 
 @triton.jit
-def _softmax_fwd_next_row_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    """``_softmax_fwd_kernel`` for the longest rows held in registers, 16-bit, persistent: one program an SM
+def _softmax_fwd_next_row_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+                                 WIDE_OFFSETS: tl.constexpr):
+    """``_softmax_fwd_kernel`` for the longest rows held in registers, bfloat16, persistent: one program an SM
     walks every (number of programs)-th row and loads its next row before it reduces this one.
 
     Why: a row of 32,768 values takes a program of 32 warps, the whole register file, so an SM holds one
@@ -112,23 +113,35 @@ def _softmax_fwd_next_row_kernel(X, Y, n_rows, N, BLOCK_N: tl.constexpr, COMPUTE
     (a max and a sum across 1024 threads) and writes y, that SM reads nothing, and the row kernel reached
     75 % of copy bandwidth in bfloat16 on an H200. Issued first, the next row's load is in flight through
     all of it. It waits as 16-bit values, 16 registers a thread; in float32 it would take 32 more, past the
-    64 a thread has at 32 warps, and spill (profiling/results/h200/softmax-next-row.md)."""
+    64 a thread has at 32 warps, and spill (profiling/results/h200/softmax-next-row.md).
+
+    ``WIDE_OFFSETS``: row offsets in int64, for a matrix of 2^31 elements or more. Below that they stay
+    int32: the int64 multiply-adds cost registers this kernel does not have (77.8 against 82.8 % of copy
+    bandwidth on an H200)."""
     cols = tl.arange(0, BLOCK_N)
     step = tl.num_programs(0)
-    next_x = _row_if_any(X, tl.program_id(0), n_rows, N, cols)
+    next_x = _row_if_any(X, tl.program_id(0), n_rows, N, cols, WIDE_OFFSETS)
     for row in range(tl.program_id(0), n_rows, step):
         x = next_x.to(COMPUTE)
-        next_x = _row_if_any(X, row + step, n_rows, N, cols)
+        next_x = _row_if_any(X, row + step, n_rows, N, cols, WIDE_OFFSETS)
         numerators = exp_on_sfu(x - tl.max(x, axis=0))
         y = numerators * (1.0 / tl.sum(numerators, axis=0))
-        tl.store(Y + tl.cast(row, tl.int64) * N + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+        tl.store(Y + _row_start(row, N, WIDE_OFFSETS) + cols, y.to(Y.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _row_if_any(X, row, n_rows, N, cols):
+def _row_start(row, N, WIDE_OFFSETS: tl.constexpr):
+    """Where row ``row`` of a matrix of rows of N values starts, in int64 only where int32 would overflow."""
+    if WIDE_OFFSETS:
+        row = tl.cast(row, tl.int64)
+    return row * N
+
+
+@triton.jit
+def _row_if_any(X, row, n_rows, N, cols, WIDE_OFFSETS: tl.constexpr):
     """Row ``row`` of the (n_rows, N) matrix at X, padded with −inf; all −inf past the last row (cols < 0 is
     false everywhere), so a program's load of the row after its last one reads nothing."""
-    return tl.load(X + tl.cast(row, tl.int64) * N + cols, mask=cols < tl.where(row < n_rows, N, 0),
+    return tl.load(X + _row_start(row, N, WIDE_OFFSETS) + cols, mask=cols < tl.where(row < n_rows, N, 0),
                    other=float("-inf"))
 
 
@@ -244,8 +257,10 @@ def _run_row_kernels(signature: tuple, looped_kernel, tiled_kernel, split_launch
     if tile.looped:
         planned = SoftmaxLaunch(looped_kernel, (rows,), (n,), constants)
     elif next_row_kernel is not None and loads_next_row_early(tile, inputs[-1].dtype):
-        planned = SoftmaxLaunch(next_row_kernel, (persistent_program_count(inputs[-1], rows, 1),), (rows, n),
-                                constants)
+        programs = persistent_program_count(inputs[-1], rows, 1)
+        # A program's last load is of the row after its last, past the matrix: that offset must fit too.
+        planned = SoftmaxLaunch(next_row_kernel, (programs,), (rows, n),
+                                constants | {"WIDE_OFFSETS": (rows + programs) * n >= 2**31})
     else:
         planned = SoftmaxLaunch(tiled_kernel, (cdiv(rows, tile.rows_per_tile),), (rows, n),
                                 constants | {"ROWS_PER_TILE": tile.rows_per_tile})
