@@ -178,11 +178,21 @@ def test_the_next_row_kernel_indexes_rows_in_either_offset_width(wide_offsets):
 
 
 @pytest.mark.gpu
-def test_the_next_row_kernel_reaches_rows_past_2_to_the_31_elements():
+def test_the_next_row_kernel_reaches_rows_past_2_to_the_31_elements(monkeypatch):
     """65,540 bfloat16 rows of 32,768: 2^31 + 131,072 elements (4 GB), whose last rows only int64 offsets
     reach. The float64 reference is taken of the first and last rows only."""
+    softmax_module = importlib.import_module("triton_kernels.softmax")
+    launched = []
+
+    def recording_launch(kernel, grid, *args, **constants):
+        launched.append((kernel.__name__, constants.get("WIDE_OFFSETS")))
+        return launch(kernel, grid, *args, **constants)
+
+    launch = softmax_module.launch
+    monkeypatch.setattr(softmax_module, "launch", recording_launch)
     x = torch.randn(65540, 32768, device="cuda", dtype=torch.bfloat16)
-    y = importlib.import_module("triton_kernels.softmax").launch_softmax_fwd(x)
+    y = softmax_module.launch_softmax_fwd(x)
+    assert launched == [("_softmax_fwd_next_row_kernel", True)]
     for rows in (slice(0, 3), slice(-3, None)):
         assert relative_max_error(y[rows], torch.softmax(x[rows].double(), -1)) <= TOLERANCE[torch.bfloat16]
 

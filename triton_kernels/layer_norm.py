@@ -276,7 +276,10 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         planned = SplitNormForwardLaunch.plan(x, rows, n, eps, subtract_mean, keep_statistics,
                                               cooperative=strategy == "cooperative")
         return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
-    tile = l2_looped_tile(x.element_size(), subtract_mean) if strategy == "looped_in_l2" else norm_row_tile(n, x.dtype)
+    if strategy == "looped_in_l2":
+        tile = l2_looped_tile(x.element_size(), subtract_mean)
+    else:
+        tile = norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
     if tile.looped:
