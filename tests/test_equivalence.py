@@ -65,6 +65,18 @@ NORM_SPLIT_BACKWARD_KERNELS = {"_norm_bwd_split_sums_kernel", "_norm_bwd_split_d
 NORM_SPLIT_KERNELS = NORM_SPLIT_FORWARD_KERNELS | NORM_SPLIT_BACKWARD_KERNELS
 SOFTMAX_SPLIT_FORWARD_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel"}
 SOFTMAX_SPLIT_KERNELS = SOFTMAX_SPLIT_FORWARD_KERNELS | {"_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
+LOOPED_SETTINGS = {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024, "SPLIT_BLOCK": 1024}
+"""launch.py's settings under which rows of 5000 loop (on the interpreter's one SM, and with no cooperative grid)."""
+
+
+def looped_norm_forward(component, dtype):
+    """The looped forward kernel a norm runs in ``dtype``: compiled for its row length, except LayerNorm in
+    any dtype but float32 (layer_norm.loops_a_constant_row_length says why)."""
+    if component == "layer_norm" and dtype != torch.float32:
+        return "layer_norm_fwd_looped_kernel"
+    return "layer_norm_fwd_looped_constant_n_kernel"
+
+
 STRATEGY_CASES = {
     # case: (the strategy, the launch settings that force it, (rows, N),
     #        kernels it must launch for LayerNorm and RMSNorm, and for softmax)
@@ -80,10 +92,10 @@ STRATEGY_CASES = {
                     {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
                     {"_softmax_fwd_next_row_kernel", "_softmax_bwd_kernel"}),
     # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
-    # softmax's backward has no sum across rows, so its looped row stays one program's
-    "looped": ("looped", {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024,
-                          "SPLIT_BLOCK": 1024}, (3, 5000),
-               {"layer_norm_fwd_looped_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
+    # softmax's backward has no sum across rows, so its looped row stays one program's; in float32 both
+    # norms' looped forward is compiled for the row length (test_looped_norms_take_a_constant_row_length_...)
+    "looped": ("looped", LOOPED_SETTINGS, (3, 5000),
+               {"layer_norm_fwd_looped_constant_n_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
                {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"}),
     # rows the forward holds in registers and the norms' backward does not: it keeps four values a column,
     # twice the forward's two, so it splits rows past half the forward's limit (layer_norm_backward.ROW_ARRAYS)
@@ -132,6 +144,15 @@ def test_every_row_strategy_matches_float64_reference(component, case, device, m
                         softmax_kernels if component == "softmax" else norm_kernels, monkeypatch)
 
 
+@pytest.mark.parametrize("component,dtype", [("layer_norm", torch.float64), ("rms_norm", torch.float64)])
+@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
+def test_looped_norms_take_a_constant_row_length_where_it_measured_faster(component, dtype, device, monkeypatch):
+    """The interpreter's dtypes hold one case each way: LayerNorm in float64 keeps the run-time row length,
+    RMSNorm compiles it (the 16-bit LayerNorm that keeps it runs in the GPU cases below)."""
+    _check_row_strategy(component, device, "looped", {"COOPERATIVE_ROWS": False, **LOOPED_SETTINGS}, (3, 5000), dtype,
+                        {looped_norm_forward(component, dtype), *NORM_SPLIT_BACKWARD_KERNELS}, monkeypatch)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", COOPERATIVE_CASES)
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
@@ -145,7 +166,7 @@ def test_cooperative_grids_match_float64_reference(component, case, monkeypatch)
     elif forward_path == "split":
         kernels = NORM_SPLIT_KERNELS
     else:
-        forward = "layer_norm_fwd_looped_kernel" if forward_path == "looped_in_l2" else "_norm_fwd_cooperative_kernel"
+        forward = looped_norm_forward(component, dtype) if forward_path == "looped_in_l2" else "_norm_fwd_cooperative_kernel"
         backward = {"_norm_bwd_cooperative_kernel"} if dtype == torch.float32 else NORM_SPLIT_BACKWARD_KERNELS
         kernels = {forward, "_layer_norm_bwd_dwdb_kernel", *backward}
     _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)

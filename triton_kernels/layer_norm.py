@@ -16,7 +16,9 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
-                                        (Chan's formula), pass 2 normalises; the row is read twice, the
+                                        (Chan's formula; RMSNorm sums x² lane by lane), pass 2
+                                        normalises (``..._constant_n_kernel``: the same, compiled for
+                                        one row length, for RMSNorm and float32); the row is read twice, the
                                         second time from L2 on a GPU (one row an SM in flight:
                                         ``launch.l2_looped_tile``), which runs it only for rows that fit
                                         there; longer ones cross DRAM once on the split file's cooperative grid
@@ -154,10 +156,12 @@ def layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
     cols = tl.arange(0, BLOCK_N)
     # pass 1: statistics. Each block's count, mean and sum of squared deviations (m2) are exact in
     # registers; Chan's formula merges them into the running ones without the cancellation of Σx².
-    # (RMSNorm wants Σx² itself: no mean, nothing cancels.)
+    # (RMSNorm wants Σx² itself: no mean, nothing cancels, so each lane keeps its own running sum and
+    # the lanes are added once, after the loop: no block-wide reduction, no barrier, inside it.)
     count = tl.zeros((), COMPUTE)
     mean = tl.zeros((), COMPUTE)
     m2 = tl.zeros((), COMPUTE)
+    lane_squares = tl.zeros((BLOCK_N,), COMPUTE)
     for start in range(0, N, BLOCK_N):
         mask = start + cols < N
         # evict_last: pass 2 reads this block again, so ask L2 to keep it if it can.
@@ -173,7 +177,9 @@ def layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
             m2 += block_m2 + delta * delta * (count * block_count / total)
             count = total
         else:
-            m2 += tl.sum(x * x, axis=0)
+            lane_squares += x * x
+    if not SUBTRACT_MEAN:
+        m2 = tl.sum(lane_squares, axis=0)
     rstd = 1.0 / tl.sqrt(m2 / N + tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE))
     if STORE_STATISTICS:
         if SUBTRACT_MEAN:
@@ -181,6 +187,33 @@ def layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low,
         tl.store(Rstd + row, rstd)
     # pass 2: normalise, scale and shift (RMSNorm: mean stays 0)
     normalize_row_blocks(X, Y, W, B, N, mean, rstd, BLOCK_N, COMPUTE, HAS_BIAS)
+
+
+@triton.jit
+def layer_norm_fwd_looped_constant_n_kernel(X, Y, W, B, Mean, Rstd, eps_high, eps_low, N: tl.constexpr,
+                                            BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
+                                            STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+                                            HAS_BIAS: tl.constexpr):
+    """``layer_norm_fwd_looped_kernel`` compiled for one row length, as Inductor compiles its own: N is a
+    constant, so the loops' trip counts are known, the compiler unrolls them and issues a row's blocks'
+    loads together, and every mask of a row that is a whole number of blocks folds away. Each new N is a
+    new compilation; ``loops_a_constant_row_length`` says which norms and dtypes gain."""
+    layer_norm_fwd_looped_kernel(X, Y, W, B, Mean, Rstd, N, eps_high, eps_low, BLOCK_N, COMPUTE, STORE_STATISTICS,
+                                 SUBTRACT_MEAN, HAS_BIAS)
+
+
+def loops_a_constant_row_length(subtract_mean: bool, dtype: torch.dtype) -> bool:
+    """Whether a looped forward runs ``layer_norm_fwd_looped_constant_n_kernel`` (else the kernel that takes
+    N at run time). Measured on an H200 at rows of 32,768-131,072, in % of copy bandwidth
+    (profiling/results/h200/norm-forward-candidates.md):
+    - RMSNorm gains in every dtype, and most in bfloat16: its lanes' running sums pay only with the row
+      length constant (at run time they lost 26 points, since the compiler then issued a block's second
+      load after using the first); with it, 87.5 → 93.1 at 32,768 (Inductor's kernel 92.3), 66.8 → 76.5 at
+      131,072;
+    - LayerNorm in float32 gains 2.5-6 points (85.2 → 87.7 at 32,768, 74.6 → 80.5 at 65,536);
+    - LayerNorm in 16 bits, on 16 warps, loses 12-17 points from 65,536 up (76.3 → 58.8), where the
+      unrolled loop's blocks take 99 registers a thread instead of 63, and keeps the run-time N."""
+    return not subtract_mean or dtype.itemsize == 4
 
 
 @triton.jit
@@ -282,7 +315,10 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         tile = norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
-    if tile.looped:
+    if tile.looped and loops_a_constant_row_length(subtract_mean, x.dtype):
+        planned = NormForwardLaunch(layer_norm_fwd_looped_constant_n_kernel, (rows,), rows, split_float(eps),
+                                    constants | {"N": n})
+    elif tile.looped:
         planned = NormForwardLaunch(layer_norm_fwd_looped_kernel, (rows,), rows, (n, *split_float(eps)), constants)
     else:
         planned = NormForwardLaunch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), rows,
