@@ -65,7 +65,8 @@ NORM_SPLIT_BACKWARD_KERNELS = {"_norm_bwd_split_sums_kernel", "_norm_bwd_split_d
 NORM_SPLIT_KERNELS = NORM_SPLIT_FORWARD_KERNELS | NORM_SPLIT_BACKWARD_KERNELS
 SOFTMAX_SPLIT_FORWARD_KERNELS = {"_softmax_fwd_split_statistics_kernel", "_softmax_fwd_split_normalize_kernel"}
 SOFTMAX_SPLIT_KERNELS = SOFTMAX_SPLIT_FORWARD_KERNELS | {"_softmax_bwd_split_dot_kernel", "_softmax_bwd_split_dx_kernel"}
-LOOPED_SETTINGS = {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024, "SPLIT_BLOCK": 1024}
+LOOPED_SETTINGS = {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOPED_ROW_BLOCK": 1024,
+                   "SPLIT_BLOCK": 1024}
 """launch.py's settings under which rows of 5000 loop (on the interpreter's one SM, and with no cooperative grid)."""
 
 
@@ -166,7 +167,8 @@ def test_cooperative_grids_match_float64_reference(component, case, monkeypatch)
     elif forward_path == "split":
         kernels = NORM_SPLIT_KERNELS
     else:
-        forward = looped_norm_forward(component, dtype) if forward_path == "looped_in_l2" else "_norm_fwd_cooperative_kernel"
+        forward = (looped_norm_forward(component, dtype) if forward_path == "looped_in_l2"
+                   else "_norm_fwd_cooperative_kernel")
         backward = {"_norm_bwd_cooperative_kernel"} if dtype == torch.float32 else NORM_SPLIT_BACKWARD_KERNELS
         kernels = {forward, "_layer_norm_bwd_dwdb_kernel", *backward}
     _check_row_strategy(component, "cuda", strategy, {}, shape, dtype, kernels, monkeypatch)
