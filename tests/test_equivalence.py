@@ -8,7 +8,7 @@ import torch
 
 from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
-from triton_kernels.layer_norm import norm_row_tile
+from triton_kernels.layer_norm import loops_a_constant_row_length, norm_row_tile
 
 from .conftest import device_param, grid_params, level_devices
 from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
@@ -71,11 +71,10 @@ LOOPED_SETTINGS = {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOP
 
 
 def looped_norm_forward(component, dtype):
-    """The looped forward kernel a norm runs in ``dtype``: compiled for its row length, except LayerNorm in
-    any dtype but float32 (layer_norm.loops_a_constant_row_length says why)."""
-    if component == "layer_norm" and dtype != torch.float32:
-        return "layer_norm_fwd_looped_kernel"
-    return "layer_norm_fwd_looped_constant_n_kernel"
+    """The looped forward kernel a norm must launch in ``dtype``, by layer_norm.loops_a_constant_row_length."""
+    if loops_a_constant_row_length(component == "layer_norm", dtype):
+        return "layer_norm_fwd_looped_constant_n_kernel"
+    return "layer_norm_fwd_looped_kernel"
 
 
 STRATEGY_CASES = {
