@@ -77,6 +77,17 @@ def looped_norm_forward(component, dtype):
     return "layer_norm_fwd_looped_kernel"
 
 
+LONGEST_ROW_NORM_FORWARD = object()
+"""Stands, in a case's norm kernels, for the forward a norm launches in float32 at rows of MAX_ROW_BLOCK:
+pipelined rows on the interpreter (layer_norm.pipelines_rows), a tile a program on a GPU."""
+
+
+def norm_kernels_of(device, kernels):
+    """A case's norm kernels on ``device``, LONGEST_ROW_NORM_FORWARD named."""
+    longest = "_norm_fwd_pipelined_rows_kernel" if device == "cpu" else "_layer_norm_fwd_kernel"
+    return {longest if kernel is LONGEST_ROW_NORM_FORWARD else kernel for kernel in kernels}
+
+
 STRATEGY_CASES = {
     # case: (the strategy, the launch settings that force it, (rows, N),
     #        kernels it must launch for LayerNorm and RMSNorm, and for softmax)
@@ -98,9 +109,11 @@ STRATEGY_CASES = {
                {"layer_norm_fwd_looped_constant_n_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
                {"softmax_fwd_online_kernel", "_softmax_bwd_looped_kernel"}),
     # rows the forward holds in registers and the norms' backward does not: it keeps four values a column,
-    # twice the forward's two, so it splits rows past half the forward's limit (layer_norm_backward.ROW_ARRAYS)
-    "row-backward-split": ("row", {"MAX_ROW_BLOCK": 4096, "SPLIT_BLOCK": 1024}, (3, 3000),
-                           {"_layer_norm_fwd_kernel", *NORM_SPLIT_BACKWARD_KERNELS},
+    # twice the forward's two, so it splits rows past half the forward's limit (layer_norm_backward.ROW_ARRAYS).
+    # Rows that long are the widest block, whose rows the interpreter's forward pipelines (pipelines_rows:
+    # 7 rows on its 4 programs, so that each walks one or two)
+    "row-backward-split": ("row", {"MAX_ROW_BLOCK": 4096, "SPLIT_BLOCK": 1024}, (7, 3000),
+                           {LONGEST_ROW_NORM_FORWARD, *NORM_SPLIT_BACKWARD_KERNELS},
                            {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # 3 rows of 5 slices, the last one short (5000 = 4 · 1024 + 904); the backward's programs take one
     # slice of every row (the interpreter's 4 program slots hold no two groups of 5 slices)
@@ -141,7 +154,8 @@ def test_every_row_strategy_matches_float64_reference(component, case, device, m
         pytest.skip("a GPU loads the next row early in bfloat16 only (launch.loads_next_row_early), where "
                     "test_a_gpu_loads_the_next_bfloat16_row_early_at_the_longest_rows_registers_hold checks it")
     _check_row_strategy(component, device, strategy, {"COOPERATIVE_ROWS": False, **settings}, shape, torch.float32,
-                        softmax_kernels if component == "softmax" else norm_kernels, monkeypatch)
+                        softmax_kernels if component == "softmax" else norm_kernels_of(device, norm_kernels),
+                        monkeypatch)
 
 
 @pytest.mark.parametrize("component,dtype", [("layer_norm", torch.float64), ("rms_norm", torch.float64)])
@@ -313,8 +327,20 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
         launch_module.row_tile.cache_clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])
+def test_a_gpu_pipelines_16_bit_norm_rows_of_the_widest_block(component, dtype, monkeypatch):
+    """layer_norm.pipelines_rows: 300 rows of 12,000 values (a 16,384 block), more than the persistent grid's
+    programs, so that each walks two or three. Only 16-bit rows are pipelined."""
+    pipelined = dtype != torch.float32
+    _check_row_strategy(component, "cuda", "row", {}, (300, 12000), dtype,
+                        {"_norm_fwd_pipelined_rows_kernel" if pipelined else "_layer_norm_fwd_kernel"}, monkeypatch)
+
+
 # Level 4's norms hold two 16-bit rows of 8192 values or more in one program's registers
-# (layer_norm.norm_row_tile); with an odd row count the last program's second row is all masked.
+# (layer_norm.norm_row_tile; rows of 8193-16,384 are pipelined instead, which this test runs too);
+# with an odd row count the last program's second row is all masked.
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(5, 16384), (3, 8192), (4, 12000)], ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm"])

@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch as launch_settings  # MAX_ROW_BLOCK is read at each call: tests lower it
 from .eager import EagerFunction, refuse_tangents
 from .launch import (
     RowTile,
@@ -78,9 +79,11 @@ from .launch import (
     check_contiguous,
     check_inputs,
     compute_dtype,
+    interpreter_is_on,
     l2_looped_tile,
     launch,
     on_device,
+    persistent_program_count,
     require,
     row_matrix,
     row_strategy,
@@ -114,10 +117,12 @@ def check_norm_shapes(op: str, x: torch.Tensor, per_column: dict, per_row: dict 
 
 
 @triton.jit
-def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
-                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
-                           STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
+def normalize_rows_in_registers(X, Y, W, B, Mean, Rstd, tile, n_rows, N, eps, BLOCK_N: tl.constexpr,
+                                ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr,
+                                SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Tile ``tile`` of ROWS_PER_TILE rows, each held whole in registers: read once, two reductions, write
+    once. The body of both in-register forwards below."""
+    rows = tile * ROWS_PER_TILE + tl.arange(0, ROWS_PER_TILE)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     col_mask = cols < N
@@ -127,7 +132,6 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
     # 2.84 against 2.92 TB/s. w and b stay cached anyway.)
     x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
     w = tl.load(W + cols, mask=col_mask).to(COMPUTE)
-    eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
     # mean, then the variance of the centred values: two reductions over registers, no second read.
     # (RMSNorm skips the mean: its "variance" is the mean square of x, whose padding already reads 0.)
     if SUBTRACT_MEAN:
@@ -144,6 +148,35 @@ def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, N, eps_high, eps_low,
         if SUBTRACT_MEAN:
             tl.store(Mean + rows, mean, mask=row_mask)
         tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(X, Y, W, B, Mean, Rstd, n_rows, eps_high, eps_low, N: tl.constexpr,
+                           BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
+                           STORE_STATISTICS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A tile a program. N is compiled in, as Inductor compiles its kernels: every mask of a row whose
+    length is a power of two folds away, and at other lengths (GPT-2's 768 in a 1024 block) the compiler
+    knows which lanes are padding. Each new N is a new compilation. Measured on an H200 in bfloat16
+    (profiling/results/h200/norm-forward-candidates.md, probe 5): 88.7 → 91.9 % of copy bandwidth for
+    LayerNorm at (87381, 768), 91.2 → 94.5 for RMSNorm; 88.2 → 90.1 and 91.9 → 94.0 at (8192, 8192);
+    float32 and the other lengths within half a point."""
+    eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
+    normalize_rows_in_registers(X, Y, W, B, Mean, Rstd, tl.program_id(0), n_rows, N, eps, BLOCK_N, ROWS_PER_TILE,
+                                COMPUTE, STORE_STATISTICS, SUBTRACT_MEAN, HAS_BIAS)
+
+
+@triton.jit
+def _norm_fwd_pipelined_rows_kernel(X, Y, W, B, Mean, Rstd, n_rows, eps_high, eps_low, N: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, STORE_STATISTICS: tl.constexpr,
+                                    SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):
+    """A row a step, each program walking a strided share of the rows (a persistent grid), its loop
+    software-pipelined STAGES deep: Triton issues the next row's loads as asynchronous copies into shared
+    memory (cp.async, LDGSTS in the SASS) before this row's reductions, so a program keeps bytes in flight
+    while it waits in them. ``pipelines_rows`` says where it runs, and what it measured."""
+    eps = tl.cast(eps_high, COMPUTE) + tl.cast(eps_low, COMPUTE)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=STAGES):
+        normalize_rows_in_registers(X, Y, W, B, Mean, Rstd, row, n_rows, N, eps, BLOCK_N, 1, COMPUTE,
+                                    STORE_STATISTICS, SUBTRACT_MEAN, HAS_BIAS)
 
 
 @triton.jit
@@ -273,6 +306,31 @@ class NormForwardLaunch(NamedTuple):
 _NORM_FORWARD_LAUNCHES = SignatureTable()
 
 
+PIPELINED_WARPS = 8
+PIPELINED_STAGES = 3
+PIPELINED_PROGRAMS_PER_SM = 2
+
+
+def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
+    """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (PIPELINED_PROGRAMS_PER_SM
+    programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each: 96 KB of shared memory a
+    program) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
+    rows of 8193-16,384). There a tile a program holds two rows on 16 warps and loads nothing while it
+    waits in their reductions; the pipelined loop is loading its next rows meanwhile. Measured on an H200,
+    % of copy bandwidth, tile a program → pipelined (torch.compile), at 2^26 elements
+    (profiling/results/h200/norm-forward-candidates.md, probe 6):
+    - rows of 12,288: LayerNorm bfloat16 69.6 → 75.5 (73.0), float16 70.9 → 76.9 (80.0); RMSNorm bfloat16
+      85.0 → 86.9 (82.5), float16 70.9 → 87.3 (94.1);
+    - rows of 16,384: LayerNorm bfloat16 75.7 → 85.9 (89.8), float16 78.0 → 86.0 (90.2); RMSNorm a point
+      lower, bfloat16 89.2 → 88.2 (92.1), float16 89.4 → 88.1 (91.9).
+    Two stages lost 27 points at 16,384 (59.1) and 16 warps, one program an SM, came second. In float32 it
+    lost everywhere (96.4 → 89.1 for RMSNorm at 16,384: a float32 row leaves no room in registers for the
+    next), and so did 16-bit rows of 8192 (94.2 → 83.3). The interpreter takes it in any dtype, so that the
+    CPU tests check its indexing too."""
+    return (not tile.looped and tile.block_n == launch_settings.MAX_ROW_BLOCK
+            and (dtype.itemsize == 2 or interpreter_is_on()))
+
+
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     """``row_tile(n)`` for the norms' forward, except that 16-bit rows of 8192 values or more held in
     registers take two rows a program. Why: a program loads its row, then waits in two block-wide
@@ -317,14 +375,19 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         tile = norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
-    if tile.looped and loops_a_constant_row_length(subtract_mean, x.dtype):
+    if pipelines_rows(tile, x.dtype):
+        grid = (persistent_program_count(x, rows, PIPELINED_PROGRAMS_PER_SM),)
+        planned = NormForwardLaunch(_norm_fwd_pipelined_rows_kernel, grid, rows, (rows, *split_float(eps)),
+                                    constants | {"N": n, "STAGES": PIPELINED_STAGES, "num_warps": PIPELINED_WARPS,
+                                                 "num_stages": PIPELINED_STAGES})
+    elif tile.looped and loops_a_constant_row_length(subtract_mean, x.dtype):
         planned = NormForwardLaunch(layer_norm_fwd_looped_constant_n_kernel, (rows,), rows, split_float(eps),
                                     constants | {"N": n})
     elif tile.looped:
         planned = NormForwardLaunch(layer_norm_fwd_looped_kernel, (rows,), rows, (n, *split_float(eps)), constants)
     else:
         planned = NormForwardLaunch(_layer_norm_fwd_kernel, (cdiv(rows, tile.rows_per_tile),), rows,
-                                    (rows, n, *split_float(eps)), constants | {"ROWS_PER_TILE": tile.rows_per_tile})
+                                    (rows, *split_float(eps)), constants | {"N": n, "ROWS_PER_TILE": tile.rows_per_tile})
     return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
 
 
