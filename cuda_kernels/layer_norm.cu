@@ -239,13 +239,10 @@ layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
 constexpr int kPrefetchThreads = 1024;
 constexpr int kPrefetchValues = 32;  // a thread's share of the row in registers: at most 64 registers
 constexpr int64_t kPrefetchMinRowValues = 16384;
-constexpr int kMostPrefetchedRows = 2;
 template <typename T, int kVec>
 constexpr bool kPrefetchable = kVec > 1 && (sizeof(T) == 2 || sizeof(T) == 4);
 
-// kRowsInFlight rows are on their way into shared memory at once, each in its own slot, while the block works on
-// the oldest: 1 where a second slot does not fit (float32 rows of more than 28K values), 2 where it does.
-template <typename T, int kVec, bool kSubtractMean, int kRowsInFlight>
+template <typename T, int kVec, bool kSubtractMean>
 __global__ void __launch_bounds__(kPrefetchThreads)
 layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ bias,
                                    T* __restrict__ y, Acc<T>* __restrict__ mean_out, Acc<T>* __restrict__ rstd_out,
@@ -253,40 +250,31 @@ layer_norm_forward_prefetch_kernel(const T* __restrict__ x, const T* __restrict_
   using A = Acc<T>;
   using P = Pack<T, kVec>;
   constexpr int kPacks = kPrefetchValues / kVec;
-  extern __shared__ __align__(16) unsigned char next_rows_bytes[];
+  extern __shared__ __align__(16) unsigned char next_row_bytes[];
+  P* next_row = reinterpret_cast<P*>(next_row_bytes);
   const int n_packs = static_cast<int>(n / kVec);
   const uint64_t read_once = evict_first_policy();
-  const auto slot = [&](int64_t row) {
-    return reinterpret_cast<P*>(next_rows_bytes) + ((row - blockIdx.x) / gridDim.x) % kRowsInFlight * n_packs;
-  };
-  // Each thread copies, and later reads back, only its own packs, so its own wait orders both: no barrier. Every
-  // call commits a group, empty past the last row, so that "all but the newest kRowsInFlight - 1 groups" is
-  // always the oldest row.
+  // Each thread copies, and later reads back, only its own packs, so its own wait orders both: no barrier.
   const auto fetch = [&](int64_t row) {
-    if (row < rows) {
-      const P* source = reinterpret_cast<const P*>(x + row * n);
-      P* staged = slot(row);
+    const P* source = reinterpret_cast<const P*>(x + row * n);
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int pack = threadIdx.x + k * kPrefetchThreads;
-        if (pack < n_packs) copy_async_16_once(&staged[pack], &source[pack], read_once);
-      }
+    for (int k = 0; k < kPacks; ++k) {
+      const int pack = threadIdx.x + k * kPrefetchThreads;
+      if (pack < n_packs) copy_async_16_once(&next_row[pack], &source[pack], read_once);
     }
     copy_async_commit();
   };
-#pragma unroll
-  for (int ahead = 0; ahead < kRowsInFlight; ++ahead) fetch(blockIdx.x + int64_t{ahead} * gridDim.x);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    copy_async_wait<kRowsInFlight - 1>();
+  int64_t row = blockIdx.x;
+  if (row < rows) fetch(row);
+  for (; row < rows; row += gridDim.x) {
+    copy_async_wait<0>();
     A values[kPacks][kVec];
     A sum = 0;
-    const P* staged = slot(row);
     // In turn: shared memory answers in a few dozen cycles, and a second copy of the row in registers beside
     // the first (loads first) made ptxas spill 92-212 bytes a thread at this kernel's 64-register cap.
-    load_row_packs<T, kVec, kPacks, false>(values, [staged](int pack) { return staged[pack]; }, threadIdx.x,
+    load_row_packs<T, kVec, kPacks, false>(values, [next_row](int pack) { return next_row[pack]; }, threadIdx.x,
                                            kPrefetchThreads, n_packs, true, A(0), [&](A value) { sum += value; });
-    // Into the slot just read: in flight through this row's reductions and stores.
-    fetch(row + int64_t{kRowsInFlight} * gridDim.x);
+    if (row + gridDim.x < rows) fetch(row + gridDim.x);  // in flight through this row's reductions and stores
     normalize_held_row<T, kVec, kPacks, kSubtractMean>(values, sum, row, n, n_packs, weight, bias, y, mean_out,
                                                        rstd_out, eps);
   }
@@ -299,25 +287,8 @@ int prefetch_grid(int64_t rows, int64_t n) {
   if (n <= kPrefetchMinRowValues || n > int64_t{kPrefetchThreads} * kPrefetchValues) return 0;
   const int multiprocessors = multiprocessor_count();
   if (rows < 2 * int64_t{multiprocessors}) return 0;
-  const int64_t shared_limit = dynamic_shared_bytes_limit(layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean, 1>);
+  const int64_t shared_limit = dynamic_shared_bytes_limit(layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean>);
   return n * static_cast<int64_t>(sizeof(T)) <= shared_limit ? multiprocessors : 0;
-}
-
-// Launches the prefetching kernel with as many rows in flight as shared memory holds, up to kMostPrefetchedRows.
-template <typename T, int kVec, bool kSubtractMean>
-void launch_prefetch(int blocks, const T* x, const T* weight, const T* bias, T* y, Acc<T>* mean, Acc<T>* rstd,
-                     int64_t rows, int64_t n, Acc<T> eps, cudaStream_t stream) {
-  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T));
-  const auto launch = [&](auto kernel, int64_t shared_bytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-    kernel<<<blocks, kPrefetchThreads, shared_bytes, stream>>>(x, weight, bias, y, mean, rstd, rows, n, eps);
-  };
-  const auto two_rows = layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean, kMostPrefetchedRows>;
-  if (kMostPrefetchedRows * row_bytes <= dynamic_shared_bytes_limit(two_rows)) {
-    launch(two_rows, kMostPrefetchedRows * row_bytes);
-  } else {
-    launch(layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean, 1>, row_bytes);
-  }
 }
 
 // --- launchers -----------------------------------------------------------------------------------
@@ -374,7 +345,10 @@ void launch_forward(DType dtype, const void* x, const void* weight, const void* 
       constexpr int kValues = kForwardValues<T, kVec, kSubtractMean>;
       if constexpr (kPrefetchable<T, kVec>) {
         if (const int blocks = splits == 1 ? prefetch_grid<T, kVec, kSubtractMean>(rows, n) : 0; blocks > 0) {
-          launch_prefetch<T, kVec, kSubtractMean>(blocks, in, w, b, out, means, rstds, rows, n, static_cast<A>(eps), s);
+          const auto kernel = layer_norm_forward_prefetch_kernel<T, kVec, kSubtractMean>;
+          const int shared_bytes = static_cast<int>(n * static_cast<int64_t>(sizeof(T)));
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+          kernel<<<blocks, kPrefetchThreads, shared_bytes, s>>>(in, w, b, out, means, rstds, rows, n, static_cast<A>(eps));
           return;
         }
       }
