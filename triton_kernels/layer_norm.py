@@ -14,7 +14,11 @@ What it computes
 Kernels, in the order they run (this file: the forward and the ops; the backward's kernels in
 ``layer_norm_backward.py``; rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
-                                        two reductions, write once
+                                        two reductions, write once; compiled for its row length N
+    ``_norm_fwd_pipelined_rows_kernel`` 16-bit rows of the widest block (MAX_ROW_BLOCK) on a GPU: the
+                                        same row, on a persistent grid whose loop Triton pipelines,
+                                        copying the next rows into shared memory during this one's
+                                        reductions (``pipelines_rows``)
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula; RMSNorm sums x² lane by lane), pass 2
                                         normalises (``..._constant_n_kernel``: the same, compiled for
