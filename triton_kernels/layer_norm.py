@@ -15,14 +15,16 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
 ``layer_norm_backward.py``; rows split across programs in ``layer_norm_split.py``)
     ``_layer_norm_fwd_kernel``          a row (or a tile of short rows) held in registers: read once,
                                         two reductions, write once; compiled for its row length N
-    ``_norm_fwd_pipelined_rows_kernel`` 16-bit rows of the widest block (MAX_ROW_BLOCK) on a GPU: the
-                                        same row, on a persistent grid whose loop Triton pipelines,
-                                        copying the next rows into shared memory during this one's
-                                        reductions (``pipelines_rows``)
+    ``_norm_fwd_pipelined_rows_kernel`` LayerNorm's 16-bit rows of the widest block (MAX_ROW_BLOCK) on a
+                                        GPU: the same row, on a persistent grid whose loop Triton
+                                        pipelines, copying the next rows into shared memory during this
+                                        one's reductions (``pipelines_rows``)
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula; RMSNorm sums x² lane by lane), pass 2
                                         normalises (``..._constant_n_kernel``: the same, compiled for
-                                        one row length, for RMSNorm and float32); the row is read twice, the
+                                        one row length, for RMSNorm and float32, and for rows of
+                                        8192-16,384 that a 16,384 block would pad: ``row_loop_tile``);
+                                        the row is read twice, the
                                         second time from L2 on a GPU (one row an SM in flight:
                                         ``launch.l2_looped_tile``), which runs it only for rows that fit
                                         there; longer ones cross DRAM once on the split file's cooperative grid
@@ -319,7 +321,7 @@ def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
     """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (PIPELINED_PROGRAMS_PER_SM
     programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each: 96 KB of shared memory a
     program) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
-    rows of 8193-16,384). There a tile a program holds two rows on 16 warps and loads nothing while it
+    rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so LayerNorm's of 12,289-16,384. There a tile a program holds two rows on 16 warps and loads nothing while it
     waits in their reductions; the pipelined loop is loading its next rows meanwhile. Measured on an H200,
     % of copy bandwidth, tile a program → pipelined (torch.compile), at 2^26 elements
     (profiling/results/h200/norm-forward-candidates.md, probe 6):
@@ -333,6 +335,39 @@ def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
     CPU tests check its indexing too."""
     return (not tile.looped and tile.block_n == launch_settings.MAX_ROW_BLOCK
             and (dtype.itemsize == 2 or interpreter_is_on()))
+
+
+ROW_LOOP_BLOCK = 4096
+
+
+def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | None:
+    """The tile on which the forward loops over rows that registers could hold whole, running
+    ``layer_norm_fwd_looped_constant_n_kernel`` in blocks of ROW_LOOP_BLOCK (16 warps for RMSNorm, 8 for
+    LayerNorm), or None where a program holds its rows. Where: RMSNorm's rows of 8192-16,384 in 16 bits and
+    8192-12,288 in float32; LayerNorm's 16-bit rows of 8193-12,288.
+
+    Why reading a row twice (the second time from L2) can beat reading it once: a row held whole is one
+    power-of-two block, so rows of 9000-12,288 are 25-45 % padding in a 16,384-wide block, and a program
+    holding 32 values a thread waits in its reductions with nothing else to load. A block of 4096 pads a
+    row of 12,288 by nothing, and its programs hold 8 or 16 values a thread, so more of them (more rows)
+    share an SM, some loading while others reduce. The second pass finds the row in L2 as long as the rows
+    in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 48 KB a row here. Measured on an H200 at 2^26 elements, % of copy bandwidth, the tile a program
+    (or the pipelined rows) → this loop (torch.compile where it compiled steadily)
+    (profiling/results/h200/norm-forward-candidates.md, probe 8):
+    - RMSNorm bfloat16: 8192 93.9 → 95.1, 9000 72.1 → 94.3 (92.5), 10,240 83.0 → 95.0 (94.3), 12,288
+      86.7 → 95.0 (94.0), 16,384 89.4 → 94.5; float16 at 9000 and 12,288 like bfloat16; float32: 8192
+      97.7 → 99.9 (99.7), 10,240 98.3 → 99.7, 12,288 96.6 → 98.6, but 16,384 96.8 → 92.1, which it keeps.
+    - LayerNorm bfloat16 on 8 warps (16 lost 10-20 points): 9000 59.4 → 71.7 (53.5), 10,240 72.6 → 83.4,
+      12,288 77.1 → 87.5 (73.4); float16 at 9000 and 12,288 60.4 → 78.6 and 78.6 → 88.3. At 8192 it tied
+      (90.1 → 90.3) and at 16,384 it lost (86.1 → 84.7: no padding there). LayerNorm float32 gained at
+      12,288 (79.7 → 91.7) but lost at 8192 and 10,240 (99.4 → 96.2, 98.3 → 93.4), so it keeps its tile.
+    The rule is the same on the interpreter, so that the CPU tests check it."""
+    if subtract_mean:
+        loops = dtype.itemsize == 2 and 8192 < n <= 12288
+    else:
+        longest = {2: 16384, 4: 12288}.get(dtype.itemsize, 0)
+        loops = 8192 <= n <= longest
+    return RowTile(ROW_LOOP_BLOCK, 1, 8 if subtract_mean else 16, True) if loops else None
 
 
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
@@ -373,10 +408,11 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         planned = SplitNormForwardLaunch.plan(x, rows, n, eps, subtract_mean, keep_statistics,
                                               cooperative=strategy == "cooperative")
         return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
+    loop_tile = row_loop_tile(n, x.dtype, subtract_mean) if strategy == "row" else None
     if strategy == "looped_in_l2":
         tile = l2_looped_tile(x.element_size(), subtract_mean)
     else:
-        tile = norm_row_tile(n, x.dtype)
+        tile = loop_tile or norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
     if pipelines_rows(tile, x.dtype):
@@ -384,7 +420,7 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         planned = NormForwardLaunch(_norm_fwd_pipelined_rows_kernel, grid, rows, (rows, *split_float(eps)),
                                     constants | {"N": n, "STAGES": PIPELINED_STAGES, "num_warps": PIPELINED_WARPS,
                                                  "num_stages": PIPELINED_STAGES})
-    elif tile.looped and loops_a_constant_row_length(subtract_mean, x.dtype):
+    elif loop_tile is not None or (tile.looped and loops_a_constant_row_length(subtract_mean, x.dtype)):
         planned = NormForwardLaunch(layer_norm_fwd_looped_constant_n_kernel, (rows,), rows, split_float(eps),
                                     constants | {"N": n})
     elif tile.looped:
