@@ -22,8 +22,8 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula; RMSNorm sums x² lane by lane), pass 2
                                         normalises (``..._constant_n_kernel``: the same, compiled for
-                                        one row length, for RMSNorm and float32, and for rows of
-                                        8192-16,384 that a 16,384 block would pad: ``row_loop_tile``);
+                                        one row length, for RMSNorm and float32, and for most rows of
+                                        8192-16,384, which a program holds less well: ``row_loop_tile``);
                                         the row is read twice, the
                                         second time from L2 on a GPU (one row an SM in flight:
                                         ``launch.l2_looped_tile``), which runs it only for rows that fit
@@ -342,32 +342,40 @@ ROW_LOOP_BLOCK = 4096
 
 def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | None:
     """The tile on which the forward loops over rows that registers could hold whole, running
-    ``layer_norm_fwd_looped_constant_n_kernel`` in blocks of ROW_LOOP_BLOCK (16 warps for RMSNorm, 8 for
-    LayerNorm), or None where a program holds its rows. Where: RMSNorm's rows of 8192-16,384 in 16 bits and
-    8192-12,288 in float32; LayerNorm's 16-bit rows of 8193-12,288.
+    ``layer_norm_fwd_looped_constant_n_kernel``, or None where a program holds its rows:
+    - RMSNorm: rows of 8192-16,384 in 16 bits and 8192-12,288 in float32, in blocks of ROW_LOOP_BLOCK on
+      16 warps;
+    - LayerNorm: rows of 8193-12,288 in 16 bits and float32, in blocks of ROW_LOOP_BLOCK on 8 warps (16
+      lost 10-20 points), and float32 rows of 12,289-16,384 in blocks of 8192 on 16 warps.
 
     Why reading a row twice (the second time from L2) can beat reading it once: a row held whole is one
     power-of-two block, so rows of 9000-12,288 are 25-45 % padding in a 16,384-wide block, and a program
     holding 32 values a thread waits in its reductions with nothing else to load. A block of 4096 pads a
     row of 12,288 by nothing, and its programs hold 8 or 16 values a thread, so more of them (more rows)
     share an SM, some loading while others reduce. The second pass finds the row in L2 as long as the rows
-    in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 48 KB a row here. Measured on an H200 at 2^26 elements, % of copy bandwidth, the tile a program
-    (or the pipelined rows) → this loop (torch.compile where it compiled steadily)
+    in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 64 KB a row here.
+
+    Measured on an H200 at 2^26 elements, % of copy bandwidth, the path before (a tile a program, or
+    pipelined rows) → this loop (torch.compile in the same run)
     (profiling/results/h200/norm-forward-candidates.md, probe 8):
     - RMSNorm bfloat16: 8192 93.9 → 95.1, 9000 72.1 → 94.3 (92.5), 10,240 83.0 → 95.0 (94.3), 12,288
       86.7 → 95.0 (94.0), 16,384 89.4 → 94.5; float16 at 9000 and 12,288 like bfloat16; float32: 8192
-      97.7 → 99.9 (99.7), 10,240 98.3 → 99.7, 12,288 96.6 → 98.6, but 16,384 96.8 → 92.1, which it keeps.
-    - LayerNorm bfloat16 on 8 warps (16 lost 10-20 points): 9000 59.4 → 71.7 (53.5), 10,240 72.6 → 83.4,
-      12,288 77.1 → 87.5 (73.4); float16 at 9000 and 12,288 60.4 → 78.6 and 78.6 → 88.3. At 8192 it tied
-      (90.1 → 90.3) and at 16,384 it lost (86.1 → 84.7: no padding there). LayerNorm float32 gained at
-      12,288 (79.7 → 91.7) but lost at 8192 and 10,240 (99.4 → 96.2, 98.3 → 93.4), so it keeps its tile.
+      97.7 → 99.9 (99.7), 10,240 98.3 → 99.7, 12,288 96.6 → 98.6, but 16,384 96.8 → 92.1, which keeps its tile.
+    - LayerNorm bfloat16: 9000 59.4 → 71.7 (53.5), 10,240 72.6 → 83.4, 12,288 77.1 → 87.5 (73.4); float16
+      at 9000 and 12,288 60.4 → 78.6 and 78.6 → 88.3; at 8192 it tied (90.1 → 90.3) and at 16,384 lost
+      (86.1 → 84.7: no padding there).
+    - LayerNorm float32: 9000 70.2 → 87.3 (91.2), 11,000 74.7 → 90.0 (87.0), 12,288 79.9 → 91.7 (90.6), but
+      10,240 97.9 → 93.3 and 8192 99.4 → 96.2 (8192 keeps its tile; 10,240 is the one length of the range
+      measured to lose); in blocks of 8192, 14,000 83.6 → 88.3 (78.2) and 16,384 88.8 → 94.3 (88.0).
     The rule is the same on the interpreter, so that the CPU tests check it."""
     if subtract_mean:
-        loops = dtype.itemsize == 2 and 8192 < n <= 12288
-    else:
-        longest = {2: 16384, 4: 12288}.get(dtype.itemsize, 0)
-        loops = 8192 <= n <= longest
-    return RowTile(ROW_LOOP_BLOCK, 1, 8 if subtract_mean else 16, True) if loops else None
+        if dtype.itemsize in (2, 4) and 8192 < n <= 12288:
+            return RowTile(ROW_LOOP_BLOCK, 1, 8, True)
+        if dtype.itemsize == 4 and 12288 < n <= 16384:
+            return RowTile(2 * ROW_LOOP_BLOCK, 1, 16, True)
+        return None
+    longest = {2: 16384, 4: 12288}.get(dtype.itemsize, 0)
+    return RowTile(ROW_LOOP_BLOCK, 1, 16, True) if 8192 <= n <= longest else None
 
 
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
