@@ -42,7 +42,8 @@ The one idea that makes it fast
 
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
-    least 4096 elements, several rows a program; a row a program, in registers; on a GPU, longer rows
+    least 4096 elements, several rows a program; a row a program, in registers, except most rows of
+    8192-16,384, looped over in blocks of 4096 or 8192 (``row_loop_tile``); on a GPU, longer rows
     looped over one an SM while that many fit in L2 (``launch.l2_looped_tile``), longer still
     split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
     program, looped over; or, for a few long rows, each row split across programs in two phases.
