@@ -349,12 +349,13 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
     - LayerNorm: rows of 8193-12,288 in 16 bits and float32, in blocks of ROW_LOOP_BLOCK on 8 warps (16
       lost 10-20 points), and float32 rows of 12,289-16,384 in blocks of 8192 on 16 warps.
 
-    Why reading a row twice (the second time from L2) can beat reading it once: a row held whole is one
-    power-of-two block, so rows of 9000-12,288 are 25-45 % padding in a 16,384-wide block, and a program
-    holding 32 values a thread waits in its reductions with nothing else to load. A block of 4096 pads a
-    row of 12,288 by nothing, and its programs hold 8 or 16 values a thread, so more of them (more rows)
-    share an SM, some loading while others reduce. The second pass finds the row in L2 as long as the rows
-    in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 64 KB a row here.
+    Why reading a row twice (the second time from L2) beats reading it once here, the measurements do not
+    say, and two first guesses fail on the compiled code (Triton 3.6, sm_90, read offline: probe 8's
+    notes). Padding costs no bytes: with N a constant, the tile kernel at rows of 9000 issues five 16-byte
+    loads a thread a tensor, as at 10,240, none of them past the row. Nor do more rows fit an SM: by
+    registers, bfloat16 RMSNorm's loop runs 4 programs of one row where the tile ran 3 of two rows. The
+    second pass finds its row in L2 as long as the rows in flight fit there (``launch.l2_looped_tile`` has
+    the arithmetic): by those register counts, at most 25 MB of rows here, half an H100's L2.
 
     Measured on an H200 at 2^26 elements, % of copy bandwidth, the path before (a tile a program, or
     pipelined rows) → this loop (torch.compile in the same run)
@@ -364,7 +365,7 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
       97.7 → 99.9 (99.7), 10,240 98.3 → 99.7, 12,288 96.6 → 98.6, but 16,384 96.8 → 92.1, which keeps its tile.
     - LayerNorm bfloat16: 9000 59.4 → 71.7 (53.5), 10,240 72.6 → 83.4, 12,288 77.1 → 87.5 (73.4); float16
       at 9000 and 12,288 60.4 → 78.6 and 78.6 → 88.3; at 8192 it tied (90.1 → 90.3) and at 16,384 lost
-      (86.1 → 84.7: no padding there).
+      (86.1 → 84.7).
     - LayerNorm float32: 9000 70.2 → 87.3 (91.2), 11,000 74.7 → 90.0 (87.0), 12,288 79.9 → 91.7 (90.6), but
       10,240 97.9 → 93.3 and 8192 99.4 → 96.2 (8192 keeps its tile; 10,240 is the one length of the range
       measured to lose); in blocks of 8192, 14,000 83.6 → 88.3 (78.2) and 16,384 88.8 → 94.3 (88.0).
