@@ -322,8 +322,9 @@ def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
     """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (PIPELINED_PROGRAMS_PER_SM
     programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each: 96 KB of shared memory a
     program) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
-    rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so LayerNorm's of 12,289-16,384. There a tile a program holds two rows on 16 warps and loads nothing while it
-    waits in their reductions; the pipelined loop is loading its next rows meanwhile. Measured on an H200,
+    rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so LayerNorm's of 12,289-16,384. There a
+    tile a program holds two rows on 16 warps and loads nothing while it waits in their reductions; the
+    pipelined loop is loading its next rows meanwhile. Measured on an H200,
     % of copy bandwidth, tile a program → pipelined (torch.compile), at 2^26 elements
     (profiling/results/h200/norm-forward-candidates.md, probe 6):
     - rows of 12,288: LayerNorm bfloat16 69.6 → 75.5 (73.0), float16 70.9 → 76.9 (80.0); RMSNorm bfloat16
@@ -351,8 +352,8 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
 
     Why reading a row twice (the second time from L2) beats reading it once here, the measurements do not
     say, and two first guesses fail on the compiled code (Triton 3.6, sm_90, read offline: probe 8's
-    notes). Padding costs no bytes: with N a constant, the tile kernel at rows of 9000 issues five 16-byte
-    loads a thread a tensor, as at 10,240, none of them past the row. Nor do more rows fit an SM: by
+    notes). Padding costs no bytes: with N a constant, float32 LayerNorm's tile kernel at rows of 9000 issues
+    five 16-byte loads a thread a tensor, as at 10,240, none of them past the row. Nor do more rows fit an SM: by
     registers, bfloat16 RMSNorm's loop runs 4 programs of one row where the tile ran 3 of two rows. The
     second pass finds its row in L2 as long as the rows in flight fit there (``launch.l2_looped_tile`` has
     the arithmetic): by those register counts, at most 25 MB of rows here, half an H100's L2.
