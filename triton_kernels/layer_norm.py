@@ -350,13 +350,14 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
     - LayerNorm: rows of 8193-12,288 in 16 bits and float32, in blocks of ROW_LOOP_BLOCK on 8 warps (16
       lost 10-20 points), and float32 rows of 12,289-16,384 in blocks of 8192 on 16 warps.
 
-    Why reading a row twice (the second time from L2) beats reading it once here, the measurements do not
-    say, and two first guesses fail on the compiled code (Triton 3.6, sm_90, read offline: probe 8's
-    notes). Padding costs no bytes: with N a constant, float32 LayerNorm's tile kernel at rows of 9000 issues
-    five 16-byte loads a thread a tensor, as at 10,240, none of them past the row. Nor do more rows fit an SM: by
-    registers, bfloat16 RMSNorm's loop runs 4 programs of one row where the tile ran 3 of two rows. The
-    second pass finds its row in L2 as long as the rows in flight fit there (``launch.l2_looped_tile`` has
-    the arithmetic): by those register counts, at most 25 MB of rows here, half an H100's L2.
+    Why reading a row twice (the second time from L2) beats reading it once here: rows in flight. Compiled
+    offline (Triton 3.6, sm_90; probe 8's notes), the kernels these rows ran on fit one program, one row, an
+    SM, which loads nothing while it waits in its reductions. float32 LayerNorm's tile kernel, compiled for
+    its N on 16 warps, needs 72-108 registers a thread at 9000 and 11,000-16,384 (one program an SM: 70-89 %
+    of copy bandwidth) but 64 at 10,240 (two: 98 %); the 16-bit rows' pipelined kernel takes 131-197 KB of
+    shared memory, so one of its programs runs an SM at a time. The loop's programs take 29-62 registers
+    and little shared memory: 2-8 share an SM, a row each. Its second pass finds the row in L2 as long as
+    the rows in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 25 MB here.
 
     Measured on an H200 at 2^26 elements, % of copy bandwidth, the path before (a tile a program, or
     pipelined rows) → this loop (torch.compile in the same run)
