@@ -319,9 +319,10 @@ PIPELINED_PROGRAMS_PER_SM = 2
 
 
 def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
-    """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (PIPELINED_PROGRAMS_PER_SM
-    programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each: 96 KB of shared memory a
-    program) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
+    """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (a grid of
+    PIPELINED_PROGRAMS_PER_SM programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each:
+    96 KB of x, and Triton stages w and b beside it, 197 KB in all for LayerNorm compiled offline for sm_90,
+    so one program an SM runs at a time) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
     rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so LayerNorm's of 12,289-16,384. There a
     tile a program holds two rows on 16 warps and loads nothing while it waits in their reductions; the
     pipelined loop is loading its next rows meanwhile. Measured on an H200,
