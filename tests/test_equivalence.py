@@ -8,7 +8,7 @@ import torch
 
 from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
-from triton_kernels.layer_norm import loops_a_constant_row_length, norm_row_tile
+from triton_kernels.layer_norm import loops_a_constant_row_length, norm_row_tile, pipelines_rows
 
 from .conftest import device_param, grid_params, level_devices
 from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
@@ -357,10 +357,10 @@ def test_norms_loop_over_rows_registers_hold_less_well(component, dtype, n, loop
         pytest.skip("the interpreter has no 16-bit arithmetic; the GPU runs these")
     if device == "cpu" and n > 9000:
         pytest.skip("the interpreter checks the rule up to 9000 values; the GPU runs the longer rows")
-    unlooped = "_norm_fwd_pipelined_rows_kernel" if n > 8192 and (dtype.itemsize == 2 or device == "cpu") \
-        else "_layer_norm_fwd_kernel"
+    held = ("_norm_fwd_pipelined_rows_kernel" if pipelines_rows(norm_row_tile(n, dtype), dtype)
+            else "_layer_norm_fwd_kernel")
     _check_row_strategy(component, device, "row", {}, (3, n), dtype,
-                        {"layer_norm_fwd_looped_constant_n_kernel" if loops else unlooped}, monkeypatch)
+                        {"layer_norm_fwd_looped_constant_n_kernel" if loops else held}, monkeypatch)
 
 
 # Level 4's norms hold two 16-bit rows of 8192 values or more in one program's registers

@@ -322,10 +322,10 @@ def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
     """Whether the forward on ``tile`` runs ``_norm_fwd_pipelined_rows_kernel`` (a grid of
     PIPELINED_PROGRAMS_PER_SM programs an SM of PIPELINED_WARPS warps, PIPELINED_STAGES rows in flight each:
     96 KB of x, and Triton stages w and b beside it, 197 KB in all for LayerNorm compiled offline for sm_90,
-    so one program an SM runs at a time) instead of a tile a program: for 16-bit rows at the widest block registers hold (MAX_ROW_BLOCK,
-    rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so LayerNorm's of 12,289-16,384. There a
-    tile a program holds two rows on 16 warps and loads nothing while it waits in their reductions; the
-    pipelined loop is loading its next rows meanwhile. Measured on an H200,
+    so one program an SM runs at a time) instead of a tile a program: for 16-bit rows at the widest block
+    registers hold (MAX_ROW_BLOCK, rows of 8193-16,384) that ``row_loop_tile`` does not loop over, so
+    LayerNorm's of 12,289-16,384. There a tile a program holds two rows on 16 warps and loads nothing while
+    it waits in their reductions; the pipelined loop is loading its next rows meanwhile. Measured on an H200,
     % of copy bandwidth, tile a program → pipelined (torch.compile), at 2^26 elements
     (profiling/results/h200/norm-forward-candidates.md, probe 6):
     - rows of 12,288: LayerNorm bfloat16 69.6 → 75.5 (73.0), float16 70.9 → 76.9 (80.0); RMSNorm bfloat16
