@@ -8,7 +8,7 @@ import torch
 
 from levels import TOLERANCE, relative_max_error
 from levels.spec import as_reference_input
-from triton_kernels.layer_norm import loops_a_constant_row_length, norm_row_tile, pipelines_rows
+from triton_kernels.layer_norm import loops_a_constant_row_length, norm_row_tile, pipelines_rows, row_loop_tile
 
 from .conftest import device_param, grid_params, level_devices
 from .helpers import assert_matches_float64_reference, build_pair, forward_and_gradients, make_inputs
@@ -70,9 +70,11 @@ LOOPED_SETTINGS = {"MAX_ROW_BLOCK": 2048, "MAX_ONE_ARRAY_ROW_BLOCK": 2048, "LOOP
 """launch.py's settings under which rows of 5000 loop (on the interpreter's one SM, and with no cooperative grid)."""
 
 
-def looped_norm_forward(component, dtype):
-    """The looped forward kernel a norm must launch in ``dtype``, by layer_norm.loops_a_constant_row_length."""
-    if loops_a_constant_row_length(component == "layer_norm", dtype):
+def looped_norm_forward(component, dtype, n=None):
+    """The looped forward kernel a norm must launch in ``dtype`` (on rows of ``n``, if "looped_in_l2" runs
+    them), by layer_norm.loops_a_constant_row_length and layer_norm.row_loop_tile."""
+    subtract_mean = component == "layer_norm"
+    if loops_a_constant_row_length(subtract_mean, dtype) or (n and row_loop_tile(n, dtype, subtract_mean)):
         return "layer_norm_fwd_looped_constant_n_kernel"
     return "layer_norm_fwd_looped_kernel"
 
@@ -95,11 +97,11 @@ STRATEGY_CASES = {
               {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # (the tiled case's one tile is one program, which writes dw, db itself; these 9 rows are more tiles
     # than ONE_PROGRAM_TILES, so their programs leave partial rows for the column reduction)
-    "row": ("row", {}, (9, 5000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
+    "row": ("row", {}, (9, 4000), {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
             {"_softmax_fwd_kernel", "_softmax_bwd_kernel"}),
     # softmax's rows as long as a program's registers hold: persistent programs that load their next row early
     # (launch.loads_next_row_early); 9 rows on the interpreter's 4 programs, so each walks two or three
-    "row-longest": ("row", {"MAX_ONE_ARRAY_ROW_BLOCK": 8192}, (9, 5000),
+    "row-longest": ("row", {"MAX_ONE_ARRAY_ROW_BLOCK": 4096}, (9, 4000),
                     {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dwdb_kernel"},
                     {"_softmax_fwd_next_row_kernel", "_softmax_bwd_kernel"}),
     # the norms' backward splits every row too long for registers (layer_norm_backward.py says why);
@@ -142,6 +144,7 @@ COOPERATIVE_CASES = {
     "lockstep": ((16, 2_097_152), torch.float32, "split"),
     "rows-in-l2": ((200, 40000), torch.float32, "looped_in_l2"),
     "rows-in-l2-bfloat16": ((200, 40000), torch.bfloat16, "looped_in_l2"),  # LayerNorm's tile is 16 warps
+    "rows-in-l2-row-loop": ((200, 20000), torch.bfloat16, "looped_in_l2"),  # layer_norm.row_loop_tile's blocks
 }
 
 
@@ -180,7 +183,7 @@ def test_cooperative_grids_match_float64_reference(component, case, monkeypatch)
     elif forward_path == "split":
         kernels = NORM_SPLIT_KERNELS
     else:
-        forward = (looped_norm_forward(component, dtype) if forward_path == "looped_in_l2"
+        forward = (looped_norm_forward(component, dtype, shape[-1]) if forward_path == "looped_in_l2"
                    else "_norm_fwd_cooperative_kernel")
         backward = {"_norm_bwd_cooperative_kernel"} if dtype == torch.float32 else NORM_SPLIT_BACKWARD_KERNELS
         kernels = {forward, "_layer_norm_bwd_dwdb_kernel", *backward}
@@ -340,9 +343,15 @@ def test_a_gpu_pipelines_16_bit_layer_norm_rows_of_the_widest_block(dtype, monke
 
 # layer_norm.row_loop_tile: rows registers could hold whole that the forward loops over, compiled for the row
 # length. The interpreter's float32 checks the rule's indexing up to 9000 values (both norms loop at 9000,
-# LayerNorm holds its rows of 8192); the GPU's dtypes the rest, at both ends of each range.
+# LayerNorm holds its rows of 5000 and 8192, RMSNorm loops from 4097); the GPU's dtypes the rest, at both
+# ends of each range.
 ROW_LOOP_CASES = [("rms_norm", torch.float32, 9000, True), ("layer_norm", torch.float32, 9000, True),
+                  ("rms_norm", torch.float32, 4096, False), ("rms_norm", torch.float32, 4097, True),
+                  ("layer_norm", torch.float32, 5000, False),
                   ("layer_norm", torch.float32, 8192, False), ("layer_norm", torch.float32, 14000, True),
+                  ("layer_norm", torch.bfloat16, 4097, True), ("layer_norm", torch.float16, 7168, True),
+                  ("layer_norm", torch.bfloat16, 7169, False), ("rms_norm", torch.bfloat16, 6144, False),
+                  ("rms_norm", torch.bfloat16, 6145, True),
                   ("rms_norm", torch.bfloat16, 8192, True), ("rms_norm", torch.float16, 16384, True),
                   ("rms_norm", torch.float32, 12288, True), ("rms_norm", torch.float32, 16384, False),
                   ("layer_norm", torch.bfloat16, 8193, True), ("layer_norm", torch.float16, 12288, True),

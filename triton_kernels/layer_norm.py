@@ -22,8 +22,8 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
     ``layer_norm_fwd_looped_kernel``   rows longer than MAX_ROW_BLOCK: pass 1 merges per-block statistics
                                         (Chan's formula; RMSNorm sums x² lane by lane), pass 2
                                         normalises (``..._constant_n_kernel``: the same, compiled for
-                                        one row length, for RMSNorm and float32, and for most rows of
-                                        8192-16,384, which a program holds less well: ``row_loop_tile``);
+                                        one row length, for RMSNorm and float32, and for rows of
+                                        4097-24,576 that a program holds less well: ``row_loop_tile``);
                                         the row is read twice, the
                                         second time from L2 on a GPU (one row an SM in flight:
                                         ``launch.l2_looped_tile``), which runs it only for rows that fit
@@ -41,9 +41,10 @@ The one idea that makes it fast
     (programs, N) float32 buffer that stays in L2. A second, tiny kernel sums that buffer's columns.
 
 Launch
-    ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of at
-    least 4096 elements, several rows a program; a row a program, in registers, except most rows of
-    8192-16,384, looped over in blocks of 4096 or 8192 (``row_loop_tile``); on a GPU, longer rows
+    ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of
+    1024 elements on 2 warps, several rows a program (``norm_row_tile``); a row a program, in registers,
+    except rows of the lengths in ``ROW_LOOPS`` (4097-24,576, by norm and dtype), looped over in blocks
+    of 2048-8192 (``row_loop_tile``); on a GPU, longer rows
     looped over one an SM while that many fit in L2 (``launch.l2_looped_tile``), longer still
     split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
     program, looped over; or, for a few long rows, each row split across programs in two phases.
@@ -340,57 +341,89 @@ def pipelines_rows(tile: RowTile, dtype: torch.dtype) -> bool:
             and (dtype.itemsize == 2 or interpreter_is_on()))
 
 
-ROW_LOOP_BLOCK = 4096
+ROW_LOOPS = {
+    # (subtract_mean, bytes an element): the row lengths (shortest, longest) looped over, and the tile
+    (True, 2): ((4097, 7168, RowTile(2048, 1, 4, True)), (8193, 12288, RowTile(4096, 1, 8, True)),
+                (16385, 24576, RowTile(4096, 1, 8, True))),
+    (True, 4): ((8193, 12288, RowTile(4096, 1, 8, True)), (12289, 16384, RowTile(8192, 1, 16, True))),
+    (False, 2): ((6145, 16384, RowTile(4096, 1, 16, True)),),
+    (False, 4): ((4097, 12288, RowTile(4096, 1, 16, True)),),
+}
 
 
 def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | None:
-    """The tile on which the forward loops over rows that registers could hold whole, running
-    ``layer_norm_fwd_looped_constant_n_kernel``, or None where a program holds its rows:
-    - RMSNorm: rows of 8192-16,384 in 16 bits and 8192-12,288 in float32, in blocks of ROW_LOOP_BLOCK on
-      16 warps;
-    - LayerNorm: rows of 8193-12,288 in 16 bits and float32, in blocks of ROW_LOOP_BLOCK on 8 warps (16
-      lost 10-20 points), and float32 rows of 12,289-16,384 in blocks of 8192 on 16 warps.
+    """The tile on which the forward loops over rows that one program could hold, or hold in fewer passes,
+    running ``layer_norm_fwd_looped_constant_n_kernel``, or None where it does not (``ROW_LOOPS``):
+    - LayerNorm in 16 bits: rows of 4097-7168 in blocks of 2048 on 4 warps; 8193-12,288 and 16,385-24,576
+      (which "looped_in_l2" reaches) in blocks of 4096 on 8 warps;
+    - LayerNorm in float32: 8193-12,288 in blocks of 4096 on 8 warps (16 lost 10-20 points), 12,289-16,384
+      in blocks of 8192 on 16;
+    - RMSNorm: 6145-16,384 in 16 bits and 4097-12,288 in float32, in blocks of 4096 on 16 warps.
 
     Why reading a row twice (the second time from L2) beats reading it once here: rows in flight. Compiled
     offline (Triton 3.6, sm_90; probe 8's notes), the kernels these rows ran on fit one program, one row, an
     SM, which loads nothing while it waits in its reductions. float32 LayerNorm's tile kernel, compiled for
     its N on 16 warps, needs 72-108 registers a thread at 9000 and 11,000-16,384 (one program an SM: 70-89 %
     of copy bandwidth) but 64 at 10,240 (two: 98 %); the 16-bit rows' pipelined kernel takes 131-197 KB of
-    shared memory, so one of its programs runs an SM at a time. The loop's programs take 29-62 registers
-    and little shared memory: 2-8 share an SM, a row each. Its second pass finds the row in L2 as long as
-    the rows in flight fit there (``launch.l2_looped_tile`` has the arithmetic): at most 25 MB here.
+    shared memory, so one of its programs runs an SM at a time; from 5120 up the 16-bit tiles fit 2-3 programs
+    an SM. The loop's programs take 29-62 registers and little shared memory: 2-8 share an SM, a row each.
+    Its second pass finds the row in L2 as long as the rows in flight fit there: at 24,576 16-bit values,
+    48 KB a row, 8 programs an SM on 132 SMs hold about 50 MB, and at 32,768 the loop lost (68 against the
+    one-program-an-SM loop's 79 %).
 
-    Measured on an H200 at 2^26 elements, % of copy bandwidth, the path before (a tile a program, or
-    pipelined rows) → this loop (torch.compile in the same run)
-    (profiling/results/h200/norm-forward-candidates.md, probe 8):
-    - RMSNorm bfloat16: 8192 93.9 → 95.1, 9000 72.1 → 94.3 (92.5), 10,240 83.0 → 95.0 (94.3), 12,288
-      86.7 → 95.0 (94.0), 16,384 89.4 → 94.5; float16 at 9000 and 12,288 like bfloat16; float32: 8192
+    Measured on an H200 at 2^26 elements, % of copy bandwidth, the path before → this loop (torch.compile in
+    the same run) (profiling/results/h200/norm-forward-candidates.md, probes 8 and 10):
+    - RMSNorm bfloat16: 7168 83.9 → 95.1 (95.1), 7680 82.9 → 95.4, 8192 93.9 → 95.1, 9000 72.1 → 94.3
+      (92.5), 10,240 83.0 → 95.0 (94.3), 12,288 86.7 → 95.0 (94.0), 16,384 89.4 → 94.5; but 6144 94.0 → 91.9,
+      which keeps its tile; float16 at 9000 and 12,288 like bfloat16.
+    - RMSNorm float32: 4608 98.5 → 99.9 (100.0), 5120-7680 97.6-98.2 → 99.8-99.9 (99.3-99.7), 8192
       97.7 → 99.9 (99.7), 10,240 98.3 → 99.7, 12,288 96.6 → 98.6, but 16,384 96.8 → 92.1, which keeps its tile.
-    - LayerNorm bfloat16: 9000 59.4 → 71.7 (53.5), 10,240 72.6 → 83.4, 12,288 77.1 → 87.5 (73.4); float16
+    - LayerNorm bfloat16, blocks of 2048: 4608 70.4 → 75.3 (46.5), 5120 72.8 → 87.4 (51.0), 6144 81.8 → 90.2
+      (58.1), 7168 84.9 → 86.4 (58.3), but 7680 87.3 → 82.4; blocks of 4096: 9000 59.4 → 71.7 (53.5), 10,240
+      72.6 → 83.4, 12,288 77.1 → 87.5 (73.4), 20,000 59.6 → 73.7 (49.3), 24,576 69.0 → 72.8 (62.3); float16
       at 9000 and 12,288 60.4 → 78.6 and 78.6 → 88.3; at 8192 it tied (90.1 → 90.3) and at 16,384 lost
       (86.1 → 84.7).
     - LayerNorm float32: 9000 70.2 → 87.3 (91.2), 11,000 74.7 → 90.0 (87.0), 12,288 79.9 → 91.7 (90.6), but
       10,240 97.9 → 93.3 and 8192 99.4 → 96.2 (8192 keeps its tile; 10,240 is the one length of the range
-      measured to lose); in blocks of 8192, 14,000 83.6 → 88.3 (78.2) and 16,384 88.8 → 94.3 (88.0).
+      measured to lose); in blocks of 8192, 14,000 83.6 → 88.3 (78.2) and 16,384 88.8 → 94.3 (88.0). Below
+      8192 its tile kept up with every loop (97-98.5 %).
     The rule is the same on the interpreter, so that the CPU tests check it."""
-    if subtract_mean:
-        if dtype.itemsize in (2, 4) and 8192 < n <= 12288:
-            return RowTile(ROW_LOOP_BLOCK, 1, 8, True)
-        if dtype.itemsize == 4 and 12288 < n <= 16384:
-            return RowTile(2 * ROW_LOOP_BLOCK, 1, 16, True)
-        return None
-    longest = {2: 16384, 4: 12288}.get(dtype.itemsize, 0)
-    return RowTile(ROW_LOOP_BLOCK, 1, 16, True) if 8192 <= n <= longest else None
+    for shortest, longest, tile in ROW_LOOPS.get((subtract_mean, dtype.itemsize), ()):
+        if shortest <= n <= longest:
+            return tile
+    return None
+
+
+SHORT_ROW_TILE = 1024
+"""The norms' forward packs rows of at most this many values (padded to a power of two) into programs of
+this many, on 2 warps, where that holds at least SHORT_ROW_TILE_BYTES of the rows (``norm_row_tile``)."""
+SHORT_ROW_TILE_BYTES = 2048
 
 
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
-    """``row_tile(n)`` for the norms' forward, except that 16-bit rows of 8192 values or more held in
-    registers take two rows a program. Why: a program loads its row, then waits in two block-wide
-    reductions (mean, variance) before it writes, and loads nothing while it waits; 32 values a thread
-    are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for half the bytes.
-    Two rows a program keep twice the bytes in flight for the same two waits. In float32 two rows a
-    program lost. Measured on an H200: ``profiling/results/h200/norm-forward-probes.md``."""
+    """``row_tile(n)`` for the norms' forward, except at both ends of the rows registers hold:
+    - rows of at most SHORT_ROW_TILE values: programs of SHORT_ROW_TILE values on 2 warps (16 values a
+      thread) instead of ``MIN_TILE`` on 4 (32), where they hold SHORT_ROW_TILE_BYTES of the rows or more
+      (every float32 row; 16-bit rows that fill their power-of-two block). Every program waits in its
+      reductions with nothing to load; smaller programs are more of them an SM, each waiting at a different
+      time, so the SM always has loads to issue; but a program must still move enough bytes to pay for its
+      reductions. Measured on an H200 at 2^26 elements, % of copy bandwidth, MIN_TILE on 4 warps → this
+      (torch.compile in the same run), both norms (probe 10 in
+      ``profiling/results/h200/norm-forward-candidates.md``): rows of 128-1024 in float32 96.0-97.6 →
+      98.9-99.3 (98.4-99.1), in bfloat16 92.3-93.8 → 94.8-95.2 (72.4-94.9). Programs of 1 KB lost: bfloat16
+      rows of 512 one a program read 76 %; and at GPT-2's bfloat16 rows of 768 (1.5 KB a program),
+      LayerNorm lost 92.0 → 88.0, where RMSNorm gained a point. Rows of 2048 keep MIN_TILE: within half a
+      point of every smaller program there.
+    - 16-bit rows of 8192 values or more take two rows a program. Why: a program loads its row, then waits
+      in two block-wide reductions (mean, variance) before it writes, and loads nothing while it waits; 32
+      values a thread are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for
+      half the bytes. Two rows a program keep twice the bytes in flight for the same two waits. In float32
+      two rows a program lost. Measured on an H200: ``profiling/results/h200/norm-forward-probes.md``."""
     tile = row_tile(n)
+    if not tile.looped and tile.block_n <= SHORT_ROW_TILE:
+        rows_per_tile = SHORT_ROW_TILE // tile.block_n
+        if rows_per_tile * n * dtype.itemsize >= SHORT_ROW_TILE_BYTES:
+            return RowTile(tile.block_n, rows_per_tile, 2, False)
     if dtype.itemsize == 2 and not tile.looped and tile.block_n >= 8192:  # a block that wide is one row
         return tile._replace(rows_per_tile=2)
     return tile
@@ -421,11 +454,13 @@ def launch_norm_fwd(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         planned = SplitNormForwardLaunch.plan(x, rows, n, eps, subtract_mean, keep_statistics,
                                               cooperative=strategy == "cooperative")
         return _NORM_FORWARD_LAUNCHES.keep(signature, planned)(x, weight, bias)
-    loop_tile = row_loop_tile(n, x.dtype, subtract_mean) if strategy == "row" else None
-    if strategy == "looped_in_l2":
+    loop_tile = row_loop_tile(n, x.dtype, subtract_mean) if strategy in ("row", "looped_in_l2") else None
+    if loop_tile is not None:
+        tile = loop_tile
+    elif strategy == "looped_in_l2":
         tile = l2_looped_tile(x.element_size(), subtract_mean)
     else:
-        tile = loop_tile or norm_row_tile(n, x.dtype)
+        tile = norm_row_tile(n, x.dtype)
     constants = dict(BLOCK_N=tile.block_n, COMPUTE=compute_dtype(x.dtype), STORE_STATISTICS=keep_statistics,
                      SUBTRACT_MEAN=subtract_mean, HAS_BIAS=subtract_mean, num_warps=tile.num_warps)
     if pipelines_rows(tile, x.dtype):
