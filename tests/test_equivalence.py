@@ -175,6 +175,8 @@ def test_looped_norms_take_a_constant_row_length_where_it_measured_faster(compon
 @pytest.mark.parametrize("component", ["layer_norm", "rms_norm", "softmax"])
 def test_cooperative_grids_match_float64_reference(component, case, monkeypatch):
     shape, dtype, forward_path = COOPERATIVE_CASES[case]
+    if component == "softmax" and case == "rows-in-l2-row-loop":
+        pytest.skip("softmax's forward keeps one array, so its registers hold rows of 20,000 (launch.row_tile)")
     if component == "softmax" and forward_path == "looped_in_l2":  # softmax does not ask for loop_in_l2
         forward_path = "cooperative"
     strategy = "looped_in_l2" if forward_path == "looped_in_l2" else "cooperative"

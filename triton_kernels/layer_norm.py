@@ -42,7 +42,7 @@ The one idea that makes it fast
 
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of
-    1024 elements on 2 warps, several rows a program (``norm_row_tile``); a row a program, in registers,
+    1024 elements (at least 2 KB of rows) on 2 warps, several rows a program (``norm_row_tile``); a row a program, in registers,
     except rows of the lengths in ``ROW_LOOPS`` (4097-24,576, by norm and dtype), looped over in blocks
     of 2048-8192 (``row_loop_tile``); on a GPU, longer rows
     looped over one an SM while that many fit in L2 (``launch.l2_looped_tile``), longer still
@@ -396,24 +396,26 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
 
 SHORT_ROW_TILE = 1024
 """The norms' forward packs rows of at most this many values (padded to a power of two) into programs of
-this many, on 2 warps, where that holds at least SHORT_ROW_TILE_BYTES of the rows (``norm_row_tile``)."""
+this many on 2 warps, or of twice or four times as many where the rows leave padding and a program would
+hold less than SHORT_ROW_TILE_BYTES of them (``norm_row_tile``)."""
 SHORT_ROW_TILE_BYTES = 2048
 
 
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     """``row_tile(n)`` for the norms' forward, except at both ends of the rows registers hold:
-    - rows of at most SHORT_ROW_TILE values: programs of SHORT_ROW_TILE values on 2 warps (16 values a
-      thread) instead of ``MIN_TILE`` on 4 (32), where they hold SHORT_ROW_TILE_BYTES of the rows or more
-      (every float32 row; 16-bit rows that fill their power-of-two block). Every program waits in its
-      reductions with nothing to load; smaller programs are more of them an SM, each waiting at a different
-      time, so the SM always has loads to issue; but a program must still move enough bytes to pay for its
-      reductions. Measured on an H200 at 2^26 elements, % of copy bandwidth, MIN_TILE on 4 warps → this
-      (torch.compile in the same run), both norms (probe 10 in
+    - rows of at most SHORT_ROW_TILE values: programs of 2 warps instead of 4, holding SHORT_ROW_TILE
+      values (16 a thread) instead of ``MIN_TILE`` (32 a thread), or as many more rows as it takes to
+      hold SHORT_ROW_TILE_BYTES of them (16-bit rows that leave padding in their block, such as GPT-2's
+      768). Every program waits in its reductions with nothing to load; smaller programs are more of them
+      an SM, each waiting at a different time, so the SM always has loads to issue; but a program must
+      still move enough bytes to pay for its reductions. Measured on an H200 at 2^26 elements, % of copy
+      bandwidth, MIN_TILE on 4 warps → this (torch.compile in the same run), both norms (probe 10 in
       ``profiling/results/h200/norm-forward-candidates.md``): rows of 128-1024 in float32 96.0-97.6 →
-      98.9-99.3 (98.4-99.1), in bfloat16 92.3-93.8 → 94.8-95.2 (72.4-94.9). Programs of 1 KB lost: bfloat16
-      rows of 512 one a program read 76 %; and at GPT-2's bfloat16 rows of 768 (1.5 KB a program),
-      LayerNorm lost 92.0 → 88.0, where RMSNorm gained a point. Rows of 2048 keep MIN_TILE: within half a
-      point of every smaller program there.
+      98.9-99.3 (98.4-99.1), in bfloat16 92.3-93.8 → 94.8-95.2 (72.4-94.9). Programs of less than 2 KB
+      lost: bfloat16 rows of 512 one a program read 76 %, and rows of 768 one a program (1.5 KB) 88.0
+      against 92.0 for LayerNorm; two a program read LayerNorm 91.9 → 93.8 (94.6) in bfloat16, 93.2 →
+      94.6 (94.5) in float16, RMSNorm level (94.7, 94.2 → 94.8). Rows of 2048 keep MIN_TILE: within half
+      a point of every smaller program there.
     - 16-bit rows of 8192 values or more take two rows a program. Why: a program loads its row, then waits
       in two block-wide reductions (mean, variance) before it writes, and loads nothing while it waits; 32
       values a thread are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for
@@ -422,8 +424,9 @@ def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     tile = row_tile(n)
     if not tile.looped and tile.block_n <= SHORT_ROW_TILE:
         rows_per_tile = SHORT_ROW_TILE // tile.block_n
-        if rows_per_tile * n * dtype.itemsize >= SHORT_ROW_TILE_BYTES:
-            return RowTile(tile.block_n, rows_per_tile, 2, False)
+        while rows_per_tile * n * dtype.itemsize < SHORT_ROW_TILE_BYTES:
+            rows_per_tile *= 2
+        return RowTile(tile.block_n, rows_per_tile, 2, False)
     if dtype.itemsize == 2 and not tile.looped and tile.block_n >= 8192:  # a block that wide is one row
         return tile._replace(rows_per_tile=2)
     return tile
