@@ -411,7 +411,7 @@ def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
       still move enough bytes to pay for its reductions. Measured on an H200 at 2^26 elements, % of copy
       bandwidth, MIN_TILE on 4 warps → this (torch.compile in the same run), both norms (probe 10 in
       ``profiling/results/h200/norm-forward-candidates.md``): rows of 128-1024 in float32 96.0-97.6 →
-      98.9-99.3 (98.4-99.1), in bfloat16 92.3-93.8 → 94.8-95.2 (72.4-94.9). Programs of less than 2 KB
+      98.9-99.2 (98.5-99.0), in bfloat16 92.3-93.8 → 94.9-95.1 (72.4-94.9). Programs of less than 2 KB
       lost: bfloat16 rows of 512 one a program read 76 %, and rows of 768 one a program (1.5 KB) 88.0
       against 92.0 for LayerNorm; two a program read LayerNorm 91.9 → 93.8 (94.6) in bfloat16, 93.2 →
       94.6 (94.5) in float16, RMSNorm level (94.7, 94.2 → 94.8). Rows of 2048 keep MIN_TILE: within half
