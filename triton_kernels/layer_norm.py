@@ -408,7 +408,9 @@ def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
       hold SHORT_ROW_TILE_BYTES of them (16-bit rows that leave padding in their block, such as GPT-2's
       768). Every program waits in its reductions with nothing to load; smaller programs are more of them
       an SM, each waiting at a different time, so the SM always has loads to issue; but a program must
-      still move enough bytes to pay for its reductions. Measured on an H200 at 2^26 elements, % of copy
+      still move enough bytes to pay for its reductions. Read offline (Triton 3.6, sm_90), the programs an
+      SM went from 7-9 to 16-32 while the bytes of x they hold fell (128 → 100 KB of float32 rows of 512):
+      more programs, not more bytes, made the gain. Measured on an H200 at 2^26 elements, % of copy
       bandwidth, MIN_TILE on 4 warps → this (torch.compile in the same run), both norms (probe 10 in
       ``profiling/results/h200/norm-forward-candidates.md``): rows of 128-1024 in float32 96.0-97.6 →
       98.9-99.2 (98.5-99.0), in bfloat16 92.3-93.8 → 94.9-95.1 (72.4-94.9). Programs of less than 2 KB
