@@ -42,14 +42,15 @@ The one idea that makes it fast
 
 Launch
     ``launch.row_strategy`` picks by row length N and row count: short rows stacked into tiles of
-    1024 elements (at least 2 KB of rows) on 2 warps, several rows a program (``norm_row_tile``); a row a program, in registers,
-    except rows of the lengths in ``ROW_LOOPS`` (4097-24,576, by norm and dtype), looped over in blocks
-    of 2048-8192 (``row_loop_tile``); on a GPU, longer rows
+    1024 elements (at least 2 KB of rows) on 2 warps, several rows a program (``norm_row_tile``); a row
+    a program, in registers, except rows of the lengths in ``ROW_LOOPS`` (4097-24,576, by norm and
+    dtype), looped over in blocks of 2048-8192 (``row_loop_tile``); on a GPU, longer rows
     looped over one an SM while that many fit in L2 (``launch.l2_looped_tile``), longer still
     split across a cooperative grid that reads them once (``layer_norm_split.py``); else a row a
     program, looped over; or, for a few long rows, each row split across programs in two phases.
     ``launch.row_tile``: the row rounded up to a power of two is one block; one warp per 1024
-    elements; two 16-bit rows a program from 8192 elements up (``norm_row_tile``). The backward
+    elements; 2 warps for rows of up to 1024, two 16-bit rows a program from 8192 elements up
+    (``norm_row_tile``). The backward
     launches BACKWARD_WARPS_PER_SM warps' worth of programs per SM (one 8-warp program at N = 8192).
 
 Measured (H100, 8192 × 8192, kernels alone)
@@ -352,8 +353,10 @@ ROW_LOOPS = {
 
 
 def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | None:
-    """The tile on which the forward loops over rows that one program could hold, or hold in fewer passes,
-    running ``layer_norm_fwd_looped_constant_n_kernel``, or None where it does not (``ROW_LOOPS``):
+    """The tile on which the forward loops over a row in blocks, compiled for its length
+    (``layer_norm_fwd_looped_constant_n_kernel``), at the lengths in ``ROW_LOOPS``, where it measured faster
+    than the kernel the row would run otherwise (a tile a program, pipelined rows, or, past MAX_ROW_BLOCK,
+    ``launch.l2_looped_tile``'s loop of one program an SM); None at other lengths:
     - LayerNorm in 16 bits: rows of 4097-7168 in blocks of 2048 on 4 warps; 8193-12,288 and 16,385-24,576
       (which "looped_in_l2" reaches) in blocks of 4096 on 8 warps;
     - LayerNorm in float32: 8193-12,288 in blocks of 4096 on 8 warps (16 lost 10-20 points), 12,289-16,384
