@@ -399,8 +399,8 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
 
 SHORT_ROW_TILE = 1024
 """The norms' forward packs rows of at most this many values (padded to a power of two) into programs of
-this many on 2 warps, or of twice or four times as many where the rows leave padding and a program would
-hold less than SHORT_ROW_TILE_BYTES of them (``norm_row_tile``)."""
+this many on 2 warps, or of twice as many where 16-bit rows leave padding and a program would hold less
+than SHORT_ROW_TILE_BYTES of them (``norm_row_tile``)."""
 SHORT_ROW_TILE_BYTES = 2048
 
 
@@ -427,12 +427,14 @@ def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
       half the bytes. Two rows a program keep twice the bytes in flight for the same two waits. In float32
       two rows a program lost. Measured on an H200: ``profiling/results/h200/norm-forward-probes.md``."""
     tile = row_tile(n)
-    if not tile.looped and tile.block_n <= SHORT_ROW_TILE:
+    if tile.looped:
+        return tile
+    if tile.block_n <= SHORT_ROW_TILE:
         rows_per_tile = SHORT_ROW_TILE // tile.block_n
         while rows_per_tile * n * dtype.itemsize < SHORT_ROW_TILE_BYTES:
             rows_per_tile *= 2
         return RowTile(tile.block_n, rows_per_tile, 2, False)
-    if dtype.itemsize == 2 and not tile.looped and tile.block_n >= 8192:  # a block that wide is one row
+    if dtype.itemsize == 2 and tile.block_n >= 8192:  # a block that wide is one row
         return tile._replace(rows_per_tile=2)
     return tile
 
