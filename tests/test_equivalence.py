@@ -374,6 +374,40 @@ def test_norms_loop_over_rows_registers_hold_less_well(component, dtype, n, loop
                         {"layer_norm_fwd_looped_constant_n_kernel" if loops else held}, monkeypatch)
 
 
+# launch.short_row_tile: the forwards' short rows share programs of 2 warps (softmax's rows up to 2048 values, the
+# norms' up to 1024), two 16-bit rows a program more where padding leaves a program under 2 KB; row counts no
+# tile divides leave the last program's rows past the matrix masked (softmax's, all -inf, zeroed).
+SHORT_ROW_CASES = [("softmax", (7, 100), torch.float32, 8), ("softmax", (5, 2048), torch.float32, 1),
+                   ("layer_norm", (7, 100), torch.float32, 8), ("rms_norm", (3, 1000), torch.float32, 1),
+                   ("softmax", (13, 768), torch.bfloat16, 2), ("layer_norm", (13, 768), torch.float16, 2),
+                   ("rms_norm", (5, 512), torch.bfloat16, 2)]
+
+
+@pytest.mark.parametrize("component,shape,dtype,rows_per_tile", SHORT_ROW_CASES,
+                         ids=lambda value: str(value).removeprefix("torch."))
+@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
+def test_short_rows_share_programs_of_two_warps(component, shape, dtype, rows_per_tile, device, monkeypatch):
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter has no 16-bit arithmetic; the GPU runs these")
+    kernel_module = importlib.import_module("triton_kernels.softmax" if component == "softmax"
+                                            else "triton_kernels.layer_norm")
+    tiles = []
+
+    def recording_launch(kernel, grid, *args, **constants):
+        tiles.append((kernel.__name__, constants.get("ROWS_PER_TILE"), constants["num_warps"]))
+        return launch_module.launch(kernel, grid, *args, **constants)
+
+    launch_module = importlib.import_module("triton_kernels.launch")
+    monkeypatch.setattr(kernel_module, "launch", recording_launch)
+    # The kernels are seen where Python launches them: no call replayed from C++ (triton_kernels/replay.py).
+    monkeypatch.setattr(importlib.import_module("triton_kernels.replay"), "REPLAY", False)
+    config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
+    module, reference = build_pair(component, "triton", config, device, dtype)
+    assert_matches_float64_reference(module, reference, make_inputs(module, shape, dtype, device), TOLERANCE[dtype])
+    forward = "_softmax_fwd_kernel" if component == "softmax" else "_layer_norm_fwd_kernel"
+    assert (forward, rows_per_tile, 2) in tiles, tiles
+
+
 # Level 4's norms hold two 16-bit rows of 8192 values or more in one program's registers
 # (layer_norm.norm_row_tile; LayerNorm's rows of 12,289-16,384 are pipelined instead, and RMSNorm's of 8192 on
 # and LayerNorm's of 8193-12,288 looped over: layer_norm.row_loop_tile; this test runs all three);

@@ -294,6 +294,43 @@ def row_tile(n: int, arrays: int = 2) -> RowTile:
     return RowTile(block_n, rows_per_tile, max(4, min(32, tile // 1024)), False)
 
 
+SHORT_ROW_TILE = 1024
+"""Short rows go into programs of this many values (rows padded to a power of two) on 2 warps, or of
+twice as many where 16-bit rows leave padding and a program would hold less than SHORT_ROW_TILE_BYTES
+of them (``short_row_tile``)."""
+SHORT_ROW_TILE_BYTES = 2048
+
+
+def short_row_tile(n: int, dtype: torch.dtype, longest: int = SHORT_ROW_TILE) -> RowTile | None:
+    """The tile of the row kernels' forwards (both norms', softmax's) for rows of ``n`` values when their
+    block (``n`` padded to a power of two) is at most ``longest``: programs of 2 warps holding
+    SHORT_ROW_TILE values (16 a thread) or one row of ``longest``, instead of ``row_tile``'s MIN_TILE on
+    4 warps (32 a thread); as many more rows as it takes to hold SHORT_ROW_TILE_BYTES of them (16-bit rows
+    that leave padding in their block, such as GPT-2's 768). None for longer rows.
+
+    Why smaller programs: every program waits in its reductions with nothing to load. More, smaller
+    programs an SM each wait at a different time, so the SM always has loads to issue; but a program must
+    still move enough bytes to pay for its reductions. Read offline (Triton 3.6, sm_90), the norms'
+    programs an SM went from 7-9 to 16-32 while the bytes of x they hold fell (128 → 100 KB of float32
+    rows of 512): more programs, not more bytes, made the gain. Measured on an H200 at 2^26 elements,
+    % of copy bandwidth, ``row_tile`` → this (profiling/results/h200/norm-forward-candidates.md, probes
+    10 and 11):
+    - the norms, rows of 128-1024: float32 96.0-97.6 → 98.9-99.2 (torch.compile 98.5-99.0), bfloat16
+      92.3-93.8 → 94.9-95.1. Programs of less than 2 KB lost: bfloat16 rows of 512 one a program read
+      76 %, rows of 768 one a program 88.0 against 92.0 for LayerNorm, two a program 93.8 (94.6). Rows of
+      2048 keep ``row_tile``'s: within half a point of every smaller program there (``longest`` 1024).
+    - softmax, rows of 128-2048 (``longest`` 2048): float32 512 96.9 → 100.2, 768 88.8 → 100.3, 1024
+      97.3 → 100.4, 2048 97.9 → 98.4, 128 96.2 → 97.9-98.4 (torch.compile 98.4); bfloat16 128 95.8 →
+      97.8-98.1, 512 94.8 → 98.0, 768 94.0 → 98.3, 1024 94.9 → 98.1, 2048 95.1 → 98.1."""
+    block_n = next_power_of_2(n)
+    if block_n > longest:
+        return None
+    rows_per_tile = max(1, SHORT_ROW_TILE // block_n)
+    while rows_per_tile * n * dtype.itemsize < SHORT_ROW_TILE_BYTES:
+        rows_per_tile *= 2
+    return RowTile(block_n, rows_per_tile, 2, False)
+
+
 def loads_next_row_early(tile: RowTile, dtype: torch.dtype) -> bool:
     """Whether a one-array forward (softmax's) on ``tile`` walks its rows persistently, each program loading
     its next row while it reduces this one (``softmax._softmax_fwd_next_row_kernel``, which says why): for

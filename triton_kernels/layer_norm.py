@@ -97,6 +97,7 @@ from .launch import (
     row_matrix,
     row_strategy,
     row_tile,
+    short_row_tile,
     split_float,
 )
 from .layer_norm_backward import launch_norm_bwd_unchecked
@@ -397,43 +398,21 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
     return None
 
 
-SHORT_ROW_TILE = 1024
-"""The norms' forward packs rows of at most this many values (padded to a power of two) into programs of
-this many on 2 warps, or of twice as many where 16-bit rows leave padding and a program would hold less
-than SHORT_ROW_TILE_BYTES of them (``norm_row_tile``)."""
-SHORT_ROW_TILE_BYTES = 2048
-
-
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     """``row_tile(n)`` for the norms' forward, except at both ends of the rows registers hold:
-    - rows of at most SHORT_ROW_TILE values: programs of 2 warps instead of 4, holding SHORT_ROW_TILE
-      values (16 a thread) instead of ``MIN_TILE`` (32 a thread), or as many more rows as it takes to
-      hold SHORT_ROW_TILE_BYTES of them (16-bit rows that leave padding in their block, such as GPT-2's
-      768). Every program waits in its reductions with nothing to load; smaller programs are more of them
-      an SM, each waiting at a different time, so the SM always has loads to issue; but a program must
-      still move enough bytes to pay for its reductions. Read offline (Triton 3.6, sm_90), the programs an
-      SM went from 7-9 to 16-32 while the bytes of x they hold fell (128 → 100 KB of float32 rows of 512):
-      more programs, not more bytes, made the gain. Measured on an H200 at 2^26 elements, % of copy
-      bandwidth, MIN_TILE on 4 warps → this (torch.compile in the same run), both norms (probe 10 in
-      ``profiling/results/h200/norm-forward-candidates.md``): rows of 128-1024 in float32 96.0-97.6 →
-      98.9-99.2 (98.5-99.0), in bfloat16 92.3-93.8 → 94.9-95.1 (72.4-94.9). Programs of less than 2 KB
-      lost: bfloat16 rows of 512 one a program read 76 %, and rows of 768 one a program (1.5 KB) 88.0
-      against 92.0 for LayerNorm; two a program read LayerNorm 91.9 → 93.8 (94.6) in bfloat16, 93.2 →
-      94.6 (94.5) in float16, RMSNorm level (94.7, 94.2 → 94.8). Rows of 2048 keep MIN_TILE: within half
-      a point of every smaller program there.
+    - rows of at most SHORT_ROW_TILE values: ``launch.short_row_tile``'s programs of 2 warps (which says
+      why, and what they measured);
     - 16-bit rows of 8192 values or more take two rows a program. Why: a program loads its row, then waits
       in two block-wide reductions (mean, variance) before it writes, and loads nothing while it waits; 32
       values a thread are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for
       half the bytes. Two rows a program keep twice the bytes in flight for the same two waits. In float32
       two rows a program lost. Measured on an H200: ``profiling/results/h200/norm-forward-probes.md``."""
+    short = short_row_tile(n, dtype)
+    if short is not None:
+        return short
     tile = row_tile(n)
     if tile.looped:
         return tile
-    if tile.block_n <= SHORT_ROW_TILE:
-        rows_per_tile = SHORT_ROW_TILE // tile.block_n
-        while rows_per_tile * n * dtype.itemsize < SHORT_ROW_TILE_BYTES:
-            rows_per_tile *= 2
-        return RowTile(tile.block_n, rows_per_tile, 2, False)
     if dtype.itemsize == 2 and tile.block_n >= 8192:  # a block that wide is one row
         return tile._replace(rows_per_tile=2)
     return tile
