@@ -343,6 +343,12 @@ def test_a_gpu_pipelines_16_bit_layer_norm_rows_of_the_widest_block(dtype, monke
                         monkeypatch)
 
 
+def skip_16_bit_on_the_interpreter(device: str, dtype: torch.dtype) -> None:
+    """These cases check level 4's float32 on the CPU: Triton's interpreter has no 16-bit arithmetic."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter has no 16-bit arithmetic; the GPU runs these")
+
+
 # layer_norm.row_loop_tile: rows registers could hold whole that the forward loops over, compiled for the row
 # length. The interpreter's float32 checks the rule's indexing up to 9000 values (both norms loop at 9000,
 # LayerNorm holds its rows of 5000 and 8192, RMSNorm loops from 4097); the GPU's dtypes the rest, at both
@@ -364,8 +370,7 @@ ROW_LOOP_CASES = [("rms_norm", torch.float32, 9000, True), ("layer_norm", torch.
                          ids=lambda value: str(value).removeprefix("torch."))
 @pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
 def test_norms_loop_over_rows_registers_hold_less_well(component, dtype, n, loops, device, monkeypatch):
-    if device == "cpu" and dtype != torch.float32:
-        pytest.skip("the interpreter has no 16-bit arithmetic; the GPU runs these")
+    skip_16_bit_on_the_interpreter(device, dtype)
     if device == "cpu" and n > 9000:
         pytest.skip("the interpreter checks the rule up to 9000 values; the GPU runs the longer rows")
     held = ("_norm_fwd_pipelined_rows_kernel" if pipelines_rows(norm_row_tile(n, dtype), dtype)
@@ -387,8 +392,7 @@ SHORT_ROW_CASES = [("softmax", (7, 100), torch.float32, 8), ("softmax", (5, 2048
                          ids=lambda value: str(value).removeprefix("torch."))
 @pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
 def test_short_rows_share_programs_of_two_warps(component, shape, dtype, rows_per_tile, device, monkeypatch):
-    if device == "cpu" and dtype != torch.float32:
-        pytest.skip("the interpreter has no 16-bit arithmetic; the GPU runs these")
+    skip_16_bit_on_the_interpreter(device, dtype)
     kernel_module = importlib.import_module("triton_kernels.softmax" if component == "softmax"
                                             else "triton_kernels.layer_norm")
     tiles = []
