@@ -400,8 +400,8 @@ def row_loop_tile(n: int, dtype: torch.dtype, subtract_mean: bool) -> RowTile | 
 
 def norm_row_tile(n: int, dtype: torch.dtype) -> RowTile:
     """``row_tile(n)`` for the norms' forward, except at both ends of the rows registers hold:
-    - rows of at most SHORT_ROW_TILE values: ``launch.short_row_tile``'s programs of 2 warps (which says
-      why, and what they measured);
+    - rows of at most ``launch.SHORT_ROW_TILE`` values: ``launch.short_row_tile``'s programs of 2 warps
+      (which says why, and what they measured);
     - 16-bit rows of 8192 values or more take two rows a program. Why: a program loads its row, then waits
       in two block-wide reductions (mean, variance) before it writes, and loads nothing while it waits; 32
       values a thread are 128 bytes of float32 but only 64 of bfloat16, so a 16-bit program waits as long for
