@@ -282,15 +282,21 @@ def test_a_gpu_loops_over_the_rows_whose_second_read_l2_holds(rows, n, element_s
                                       loop_in_l2=loop_in_l2) == strategy
 
 
-def _recording(launcher, launched: set):
-    """``launcher`` (launch.launch or launch.launch_cooperative), adding the name of each kernel that it
-    starts to ``launched`` (a cooperative launch that declines starts nothing)."""
+def _recording(launcher, launched: set, describe=lambda kernel, constants: kernel.__name__):
+    """``launcher`` (launch.launch or launch.launch_cooperative), adding ``describe(kernel, constants)`` (the
+    kernel's name unless told otherwise) of each kernel that it starts to ``launched`` (a cooperative launch
+    that declines starts nothing)."""
     def recording_launcher(kernel, *args, **kwargs):
         started = launcher(kernel, *args, **kwargs)
         if started is not False:
-            launched.add(kernel.__name__)
+            launched.add(describe(kernel, kwargs))
         return started
     return recording_launcher
+
+
+def _launched_from_python(monkeypatch):
+    """Every kernel is seen where Python launches it: no call replayed from C++ (triton_kernels/replay.py)."""
+    monkeypatch.setattr(importlib.import_module("triton_kernels.replay"), "REPLAY", False)
 
 
 def _check_row_strategy(component, device, strategy, settings, shape, dtype, kernels, monkeypatch):
@@ -300,8 +306,7 @@ def _check_row_strategy(component, device, strategy, settings, shape, dtype, ker
     launch_module = importlib.import_module("triton_kernels.launch")
     for name, value in settings.items():
         monkeypatch.setattr(launch_module, name, value)
-    # The kernels are seen where Python launches them: no call replayed from C++ (triton_kernels/replay.py).
-    monkeypatch.setattr(importlib.import_module("triton_kernels.replay"), "REPLAY", False)
+    _launched_from_python(monkeypatch)
     launch_module.row_tile.cache_clear()  # row_tile's answers depend on MAX_ROW_BLOCK
     # The kept launches were planned under the settings before these (layer_norm.launch_norm_fwd,
     # layer_norm_backward.launch_norm_bwd_unchecked, softmax.SoftmaxLaunch).
@@ -395,16 +400,11 @@ def test_short_rows_share_programs_of_two_warps(component, shape, dtype, rows_pe
     skip_16_bit_on_the_interpreter(device, dtype)
     kernel_module = importlib.import_module("triton_kernels.softmax" if component == "softmax"
                                             else "triton_kernels.layer_norm")
-    tiles = []
-
-    def recording_launch(kernel, grid, *args, **constants):
-        tiles.append((kernel.__name__, constants.get("ROWS_PER_TILE"), constants["num_warps"]))
-        return launch_module.launch(kernel, grid, *args, **constants)
-
-    launch_module = importlib.import_module("triton_kernels.launch")
-    monkeypatch.setattr(kernel_module, "launch", recording_launch)
-    # The kernels are seen where Python launches them: no call replayed from C++ (triton_kernels/replay.py).
-    monkeypatch.setattr(importlib.import_module("triton_kernels.replay"), "REPLAY", False)
+    tiles = set()  # (kernel, rows a program, warps) of each launch
+    monkeypatch.setattr(kernel_module, "launch", _recording(
+        kernel_module.launch, tiles,
+        describe=lambda kernel, constants: (kernel.__name__, constants.get("ROWS_PER_TILE"), constants["num_warps"])))
+    _launched_from_python(monkeypatch)
     config = {"dim": -1} if component == "softmax" else {"normalized_shape": shape[-1]}
     module, reference = build_pair(component, "triton", config, device, dtype)
     assert_matches_float64_reference(module, reference, make_inputs(module, shape, dtype, device), TOLERANCE[dtype])
