@@ -412,6 +412,30 @@ def test_short_rows_share_programs_of_two_warps(component, shape, dtype, rows_pe
     assert (forward, rows_per_tile, 2) in tiles, tiles
 
 
+# layer_norm_backward.loads_next_tile_early: the norms' backward programs load their next tile while they reduce this
+# one in 16-bit dtypes (the interpreter's float32 too, to check the indexing), not in float32 on a GPU. 40 rows of
+# 1000 are 10 tiles of 4 rows: more than ONE_PROGRAM_TILES, so the persistent grid runs, its programs' last loads
+# past the matrix (the interpreter's 4 programs walk two or three tiles each).
+NEXT_TILE_CASES = [("layer_norm", torch.float32), ("rms_norm", torch.float32), ("layer_norm", torch.bfloat16),
+                   ("rms_norm", torch.float16)]
+
+
+@pytest.mark.parametrize("component,dtype", NEXT_TILE_CASES, ids=lambda value: str(value).removeprefix("torch."))
+@pytest.mark.parametrize("device", [device_param(device) for device in level_devices("triton")])
+def test_16_bit_norm_backwards_load_their_next_tile_early(component, dtype, device, monkeypatch):
+    skip_16_bit_on_the_interpreter(device, dtype)
+    backward = importlib.import_module("triton_kernels.layer_norm_backward")
+    launches = set()  # (kernel, LOADS_NEXT_TILE_EARLY) of each launch
+    monkeypatch.setattr(backward, "launch", _recording(
+        backward.launch, launches, describe=lambda kernel, constants: (kernel.__name__,
+                                                                       constants.get("LOADS_NEXT_TILE_EARLY"))))
+    _launched_from_python(monkeypatch)
+    module, reference = build_pair(component, "triton", {"normalized_shape": 1000}, device, dtype)
+    assert_matches_float64_reference(module, reference, make_inputs(module, (40, 1000), dtype, device), TOLERANCE[dtype])
+    loads_early = device == "cpu" or dtype != torch.float32
+    assert ("_layer_norm_bwd_kernel", loads_early) in launches, launches
+
+
 # Level 4's norms hold two 16-bit rows of 8192 values or more in one program's registers
 # (layer_norm.norm_row_tile; LayerNorm's rows of 12,289-16,384 are pipelined instead, and RMSNorm's of 8192 on
 # and LayerNorm's of 8193-12,288 looped over: layer_norm.row_loop_tile; this test runs all three);

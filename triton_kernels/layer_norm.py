@@ -28,7 +28,9 @@ Kernels, in the order they run (this file: the forward and the ops; the backward
                                         second time from L2 on a GPU (one row an SM in flight:
                                         ``launch.l2_looped_tile``), which runs it only for rows that fit
                                         there; longer ones cross DRAM once on the split file's cooperative grid
-    ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; rows
+    ``_layer_norm_bwd_kernel``          dx per row, plus per-program partial sums of dw and db; in 16-bit
+                                        dtypes each program loads its next tile while it reduces this one
+                                        (``layer_norm_backward.loads_next_tile_early``); rows
                                         longer than half of MAX_ROW_BLOCK (it keeps four arrays a column:
                                         ``layer_norm_backward.ROW_ARRAYS``) take the split backward instead
     ``_layer_norm_bwd_dwdb_kernel``     sums the partial rows into dw and db
