@@ -65,9 +65,10 @@ def loads_next_tile_early(dtype: torch.dtype) -> bool:
     registers that hold it: in 16 bits two values a register, which the 8 warps an SM have to spare. On an
     H200 (profiling/results/h200/norm-backward-next-tile.md; the backward alone, % of copy bandwidth) it took
     bfloat16 LayerNorm at rows of 2048 / 4096 / 8192 from 73.8 / 74.4 / 65.3 to 78.2 / 91.3 / 86.7, RMSNorm at
-    512-8192 from 72.0-81.2 to 85.4-89.3 (LayerNorm at 512: 73.4 against 71.7). In float32 the held tile costs
-    a register a value and LayerNorm lost 2-12 points at every length, so float32 keeps the plain loop. The
-    interpreter takes it at any dtype, so that the CPU tests check its indexing too."""
+    512-8192 from 72.0-81.2 to 85.4-89.3 (LayerNorm at 512: 73.4 against 71.7); float16 moved as bfloat16 did
+    (LayerNorm at 8192 65.4 → 87.5). In float32 the held tile costs a register a value and LayerNorm lost 1-12
+    points at every length, so float32 keeps the plain loop. The interpreter takes it at any dtype, so that the
+    CPU tests check its indexing too."""
     return dtype.itemsize == 2 or interpreter_is_on()
 
 
