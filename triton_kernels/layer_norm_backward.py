@@ -82,6 +82,13 @@ def _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(X, DY, tile, n_rows, N, cols, col_mask, ROWS_PER_TILE: tl.constexpr):
+    """Tile ``tile``'s x and dy in their own dtype (zeros where masked)."""
+    _, _, mask, offsets = _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
+    return tl.load(X + offsets, mask=mask, other=0.0), tl.load(DY + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_rows, N,
                            BLOCK_N: tl.constexpr, ROWS_PER_TILE: tl.constexpr, COMPUTE: tl.constexpr,
                            SUBTRACT_MEAN: tl.constexpr, HAS_BIAS: tl.constexpr, LOADS_NEXT_TILE_EARLY: tl.constexpr):
@@ -94,22 +101,18 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
     dw = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
     db = tl.zeros((ROWS_PER_TILE, BLOCK_N), COMPUTE)
     if LOADS_NEXT_TILE_EARLY:
-        _, _, first_mask, first_offsets = _tile_of_rows(program, n_rows, N, cols, col_mask, ROWS_PER_TILE)
-        next_x = tl.load(X + first_offsets, mask=first_mask, other=0.0)
-        next_dy = tl.load(DY + first_offsets, mask=first_mask, other=0.0)
+        next_x, next_dy = _load_tile(X, DY, program, n_rows, N, cols, col_mask, ROWS_PER_TILE)
     for tile in range(program, tl.cdiv(n_rows, ROWS_PER_TILE), programs):
         rows, row_mask, mask, offsets = _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
         if LOADS_NEXT_TILE_EARLY:
-            # The tile this program takes next is loaded now, in x's own dtype (past the last tile: all
-            # masked, nothing read), and flies while this one reduces and stores (loads_next_tile_early).
-            x = next_x.to(COMPUTE)
-            dy = next_dy.to(COMPUTE)
-            _, _, later_mask, later_offsets = _tile_of_rows(tile + programs, n_rows, N, cols, col_mask, ROWS_PER_TILE)
-            next_x = tl.load(X + later_offsets, mask=later_mask, other=0.0)
-            next_dy = tl.load(DY + later_offsets, mask=later_mask, other=0.0)
+            # The tile this program takes next is loaded now (past the last tile: all masked, nothing read)
+            # and flies while this one reduces and stores (loads_next_tile_early).
+            x, dy = next_x, next_dy
+            next_x, next_dy = _load_tile(X, DY, tile + programs, n_rows, N, cols, col_mask, ROWS_PER_TILE)
         else:
-            x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
-            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
+            x, dy = _load_tile(X, DY, tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
+        x = x.to(COMPUTE)
+        dy = dy.to(COMPUTE)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         if SUBTRACT_MEAN:
             mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
