@@ -106,13 +106,16 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
         rows, row_mask, mask, offsets = _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
         if LOADS_NEXT_TILE_EARLY:
             # The tile this program takes next is loaded now (past the last tile: all masked, nothing read)
-            # and flies while this one reduces and stores (loads_next_tile_early).
-            x, dy = next_x, next_dy
+            # and flies while this one reduces and stores (loads_next_tile_early). This tile is converted
+            # first, before those loads are issued: converted after them, the same kernel ran LayerNorm's
+            # 16-bit rows of 8192 at 67 % of copy bandwidth instead of 86 % on an H200 (Triton 3.6;
+            # profiling/results/h200/norm-backward-next-tile.md, probe 21).
+            x, dy = next_x.to(COMPUTE), next_dy.to(COMPUTE)
             next_x, next_dy = _load_tile(X, DY, tile + programs, n_rows, N, cols, col_mask, ROWS_PER_TILE)
         else:
             x, dy = _load_tile(X, DY, tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
-        x = x.to(COMPUTE)
-        dy = dy.to(COMPUTE)
+            x = x.to(COMPUTE)
+            dy = dy.to(COMPUTE)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         if SUBTRACT_MEAN:
             mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
