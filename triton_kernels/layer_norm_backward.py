@@ -239,7 +239,7 @@ def launch_norm_bwd_unchecked(grad_out: torch.Tensor, x: torch.Tensor, weight: t
         grad_bias = torch.zeros_like(weight) if subtract_mean else None
         return torch.empty_like(x), torch.zeros_like(weight), grad_bias
     # Rows too long for registers: each split across programs, on a cooperative grid in float32 on a GPU
-    # (bfloat16's measured slower there: layer_norm_split.SplitNormBackwardLaunch says why).
+    # (16-bit measured slower there: layer_norm_split.SplitNormBackwardLaunch says why).
     strategy = row_strategy(rows, n, x, ROW_ARRAYS, cooperative=x.dtype == torch.float32)
     if strategy in ("looped", "split", "cooperative"):
         plan = SplitNormBackwardRows(

@@ -370,9 +370,12 @@ class SplitNormBackwardLaunch(NamedTuple):
     ``cooperative`` (a GPU only; the backward's launcher asks it in float32): one launch that reads x and
     dy once, when the GPU holds enough rows' slices at once (``launch.cooperative_rows_at_once``, asked at
     each call as the forward asks it; its groups are the rows at once); otherwise the two phases.
-    (bfloat16 stays in two phases: a slice in registers is half the bytes, too few in flight per SM while
-    the programs wait, and on an H100 the grid ran rows of 131,072 slower than the two phases did:
-    profiling/results/h100/cooperative-grids.md.)"""
+    (16-bit dtypes stay in two phases: a slice in registers is half the bytes, too few in flight per SM while
+    the programs wait. On an H100 the grid ran rows of 131,072 slower than the two phases did
+    (profiling/results/h100/cooperative-grids.md); on an H200 at rows of 32,768 and 131,072 it read 40-50 % of
+    copy bandwidth against the two phases' 50-57 %, and neither loading the next row before the wait nor
+    holding the slice in 16 bits across it caught up: LayerNorm's kernel sits at 255 registers a thread, two
+    programs an SM, whatever the source holds (profiling/results/h200/norm-backward-split.md).)"""
 
     rows: int
     slices: int
