@@ -83,7 +83,7 @@ def _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE: tl.constexpr):
 
 @triton.jit
 def _load_tile(X, DY, tile, n_rows, N, cols, col_mask, ROWS_PER_TILE: tl.constexpr):
-    """Tile ``tile``'s x and dy in their own dtype (zeros where masked)."""
+    """Tile ``tile``'s x and dy in their own dtype (zeros where masked): the early loads' first and next tiles."""
     _, _, mask, offsets = _tile_of_rows(tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
     return tl.load(X + offsets, mask=mask, other=0.0), tl.load(DY + offsets, mask=mask, other=0.0)
 
@@ -109,13 +109,12 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, PartialDW, PartialDB, n_row
             # and flies while this one reduces and stores (loads_next_tile_early). This tile is converted
             # first, before those loads are issued: converted after them, the same kernel ran LayerNorm's
             # 16-bit rows of 8192 at 67 % of copy bandwidth instead of 86 % on an H200 (Triton 3.6;
-            # profiling/results/h200/norm-backward-next-tile.md, probe 21).
+            # profiling/results/h200/norm-backward-split.md, probe 21).
             x, dy = next_x.to(COMPUTE), next_dy.to(COMPUTE)
             next_x, next_dy = _load_tile(X, DY, tile + programs, n_rows, N, cols, col_mask, ROWS_PER_TILE)
         else:
-            x, dy = _load_tile(X, DY, tile, n_rows, N, cols, col_mask, ROWS_PER_TILE)
-            x = x.to(COMPUTE)
-            dy = dy.to(COMPUTE)
+            x = tl.load(X + offsets, mask=mask, other=0.0).to(COMPUTE)
+            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(COMPUTE)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
         if SUBTRACT_MEAN:
             mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
