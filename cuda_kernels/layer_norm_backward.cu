@@ -31,6 +31,7 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -c cuda_kernels/layer_norm_backward.cu -o /tmp/layer_norm_backward.o
 //   python -m pytest tests -k "(layer_norm or rms_norm) and cuda"
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 #include "layer_norm_backward_cluster.cuh"
@@ -41,7 +42,7 @@ namespace kernel_ladder {
 // --- backward ------------------------------------------------------------------------------------
 
 // Rows of up to 8192 values (4096 float64): one block's registers hold the row (HeldBackwardPacks).
-template <typename T, int kVec, bool kSubtractMean>
+template <typename T, int kVec, bool kSubtractMean, bool kAllLoadsFirst>
 __global__ void __launch_bounds__(kMaxThreads)
 layer_norm_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ x, const T* __restrict__ weight,
                            const Acc<T>* __restrict__ mean, const Acc<T>* __restrict__ rstd, T* __restrict__ grad_x,
@@ -52,7 +53,9 @@ layer_norm_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const A row_mean = kSubtractMean ? mean[row] : A(0), row_rstd = rstd[row];
     const RowSums<A> sums =
-        block_reduce(held.load(grad_out + row * n, x + row * n, weight, n_packs, row_mean, row_rstd), Add{});
+        block_reduce(held.template load<kAllLoadsFirst>(grad_out + row * n, x + row * n, weight, n_packs, row_mean,
+                                                        row_rstd),
+                     Add{});
     const A mean_g = kSubtractMean ? sums.g / A(n) : A(0), mean_g_xhat = sums.g_xhat / A(n);
     held.store_dx(grad_x + row * n, n_packs, row_rstd, mean_g, mean_g_xhat);
   }
@@ -236,13 +239,25 @@ layer_norm_weight_grads_kernel(const Acc<T>* __restrict__ partial_dw, const Acc<
 // and a block size, then launches once. LayerNorm's launchers and RMSNorm's are the same templates;
 // RMSNorm passes null for the mean, the bias gradient and db's buffer, which its kernels never touch.
 
+// A float32 row in registers whose block has more than half of kMaxThreads fills its SM alone (64
+// registers a thread): its threads issue both their 16-byte packs' loads before any arithmetic
+// (HeldBackwardPacks::load). Measured (H200, the backward alone,
+// profiling/results/h200/norm-backward-level5-probe26.log): rows of 8192, LayerNorm 72.1 -> 85.2 % of
+// copy bandwidth, RMSNorm 76.3 -> 87.5; rows of 2048, four blocks an SM, keep the one-pack-at-a-time
+// order, which is faster there (88.2 against 85.6). 16-bit rows hold one pack a thread (the same loads in
+// the other form lost 1.5-2.8 points); float64 keeps the plain order too (not measured).
 template <typename T, int kVec, bool kSubtractMean>
 auto backward_kernel_for(int64_t n, int* threads) {
-  using A = Acc<T>;
-  const bool in_registers = n <= int64_t{kMaxThreads} * kBackwardValues<A>;
-  *threads = in_registers ? row_threads(n, kBackwardValues<A>) : kMaxThreads;
-  return in_registers ? layer_norm_backward_kernel<T, kVec, kSubtractMean>
-                      : layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
+  constexpr int kValues = kBackwardValues<Acc<T>>;
+  if (n > int64_t{kMaxThreads} * kValues) {
+    *threads = kMaxThreads;
+    return layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
+  }
+  *threads = row_threads(n, kValues);
+  if constexpr (std::is_same_v<T, float> && kVec == kVecOf<T>) {
+    if (*threads > kMaxThreads / 2) return layer_norm_backward_kernel<T, kVec, kSubtractMean, true>;
+  }
+  return layer_norm_backward_kernel<T, kVec, kSubtractMean, false>;
 }
 
 // The backward's grid for (rows, n): a persistent grid of partial_rows blocks (splits == 1); for rows too

@@ -65,27 +65,47 @@ struct HeldBackwardPacks {
 
   // Reads this thread's packs of dy and x (touched once: streaming loads) and of w (shared by every row:
   // cached), each pointer at the first of the n_packs packs held; returns its (sum g, sum g*xhat).
+  // kAllLoadsFirst: every pack's loads are issued before any arithmetic. Otherwise each pack is loaded,
+  // then used: nvcc keeps a later pack's loads behind its `pack < n_packs` test, below the earlier
+  // pack's arithmetic, so a thread has one pack in flight. That is enough while other blocks on the SM
+  // have loads in flight, and measured faster there (fewer registers); a block that fills its SM alone
+  // waits with nothing else in flight (backward_kernel_for says where each is used).
+  template <bool kAllLoadsFirst = false>
   __device__ __forceinline__ RowSums<A> load(const T* dy_row, const T* x_row, const T* weight, int n_packs, A mean,
                                              A rstd) {
+    // A pack past the row's end stays zero: g = 0 adds nothing to the sums, dw or db, so the arithmetic
+    // needs no test of its own.
+    Pack<T, kVec> dy[kPacks] = {}, in[kPacks] = {}, w[kPacks] = {};
     RowSums<A> sums{};
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int pack = threadIdx.x + k * blockDim.x;
       if (pack >= n_packs) continue;
-      const Pack<T, kVec> dy = load_pack_once<T, kVec>(dy_row + pack * kVec);
-      const Pack<T, kVec> in = load_pack_once<T, kVec>(x_row + pack * kVec);
-      const Pack<T, kVec> w = load_pack<T, kVec>(weight + pack * kVec);
+      dy[k] = load_pack_once<T, kVec>(dy_row + pack * kVec);
+      in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
+      w[k] = load_pack<T, kVec>(weight + pack * kVec);
+      if (!kAllLoadsFirst) hold(k, dy[k], in[k], w[k], mean, rstd, sums);
+    }
+    if (kAllLoadsFirst) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const A dy_j = to_acc(dy.val[j]);
-        xhat[k][j] = (to_acc(in.val[j]) - mean) * rstd;
-        g[k][j] = product_rounded(to_acc(w.val[j]), dy_j);
-        dw[k][j] += dy_j * xhat[k][j];
-        db[k][j] += dy_j;
-        sums = sums + RowSums<A>{g[k][j], g[k][j] * xhat[k][j]};
-      }
+      for (int k = 0; k < kPacks; ++k) hold(k, dy[k], in[k], w[k], mean, rstd, sums);
     }
     return sums;
+  }
+
+  // Pack k's xhat and g, its share of the running dw and db, and its terms added to the two row sums
+  // (in the same order whichever way the packs were loaded: both ways give the same bits).
+  __device__ __forceinline__ void hold(int k, const Pack<T, kVec>& dy, const Pack<T, kVec>& in, const Pack<T, kVec>& w,
+                                       A mean, A rstd, RowSums<A>& sums) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const A dy_j = to_acc(dy.val[j]);
+      xhat[k][j] = (to_acc(in.val[j]) - mean) * rstd;
+      g[k][j] = product_rounded(to_acc(w.val[j]), dy_j);
+      dw[k][j] += dy_j * xhat[k][j];
+      db[k][j] += dy_j;
+      sums = sums + RowSums<A>{g[k][j], g[k][j] * xhat[k][j]};
+    }
   }
 
   // dx = rstd * (g - mean(g) - xhat * mean(g*xhat)) from the held packs, written once (streaming stores).

@@ -466,21 +466,23 @@ def test_softmax_matches_float64_reference_at_every_row_strategy(shape, dtype):
     assert_matches_float64_reference(module, reference, module.example_inputs(shape, dtype, "cuda"), TOLERANCE[dtype])
 
 
-# Level 5's LayerNorm and RMSNorm pick their kernels by row length (layer_norm.cu). Forward: 4 lanes a row (128
-# values; 37 unvectorised on 2 lanes), 32 (1000), a block's registers (4096; 8200, 12000 and 16384 floats, the last
-# filling LayerNorm's 512 threads at 8 packs a thread and RMSNorm's 1024 at 4, 20000 and 30000 bfloat16 values in
-# both norms'; 30002 unvectorised past the scalar kernel's 512 threads), a persistent grid prefetching rows of 16384
-# to 32768 values when there are at least twice as many rows as SMs (300 rows of 20008 and 32768), on Hopper a
-# cluster of 2 blocks (20000 and 30000 floats), of 3 (40000 floats: 160 KB; 2 in bfloat16) and of 16, the largest
-# (262144 floats: 1 MB; 8 in bfloat16), longer rows split into 64 KB slices over a cooperative grid (a few 2.4 MB
-# rows, 1.2 MB in bfloat16; and 40 of them, more than the grid holds at once), the two passes for such rows
-# unvectorised (600001), and a looped block for a long unvectorised row. Backward: rows in registers; longer rows in
-# 16-byte packs (8200, 131072, 600000) on a cooperative grid of 32 KB column slices, with more rows than it holds at
-# once from 300 on; unvectorised (8202) on the looped persistent grid; and the few long unvectorised rows (600001)
-# cut into column slices. The backward reads the mean and rstd each forward path saved.
-NORM_ROW_STRATEGY_SHAPES = [(4099, 128), (1000, 37), (77, 1000), (33, 4096), (300, 8200), (300, 8202), (300, 12000),
-                            (40, 16384), (300, 20008), (300, 32768), (100, 20000), (64, 30000), (64, 30002),
-                            (300, 131072), (5, 40000), (2, 262144), (3, 600000), (40, 600000), (3, 600001), (2, 40001)]
+# Level 5's LayerNorm and RMSNorm pick their kernels by row length (layer_norm.cu). Forward: 4 lanes a row (128 values;
+# 37 unvectorised on 2 lanes), 32 (1000), a block's registers (4096; 8200, 12000 and 16384 floats, the last filling
+# LayerNorm's 512 threads at 8 packs a thread and RMSNorm's 1024 at 4, 20000 and 30000 bfloat16 values in both norms';
+# 30002 unvectorised past the scalar kernel's 512 threads), a persistent grid prefetching rows of 16384 to 32768 values
+# when there are at least twice as many rows as SMs (300 rows of 20008 and 32768), on Hopper a cluster of 2 blocks
+# (20000 and 30000 floats), of 3 (40000 floats: 160 KB; 2 in bfloat16) and of 16, the largest (262144 floats: 1 MB; 8 in
+# bfloat16), longer rows split into 64 KB slices over a cooperative grid (a few 2.4 MB rows, 1.2 MB in bfloat16; and 40
+# of them, more than the grid holds at once), the two passes for such rows unvectorised (600001), and a looped block for
+# a long unvectorised row. Backward: rows in registers, float32 rows of more than 4096 (6000, 8192) with every pack's
+# loads issued first, 6000's second pack past the row's end in some threads; longer rows in 16-byte packs (8200, 131072,
+# 600000) on a cooperative grid of 32 KB column slices, with more rows than it holds at once from 300 on; unvectorised
+# (8202) on the looped persistent grid; and the few long unvectorised rows (600001) cut into column slices. The backward
+# reads the mean and rstd each forward path saved.
+NORM_ROW_STRATEGY_SHAPES = [(4099, 128), (1000, 37), (77, 1000), (33, 4096), (300, 6000), (200, 8192), (300, 8200),
+                            (300, 8202), (300, 12000), (40, 16384), (300, 20008), (300, 32768), (100, 20000), (64, 30000),
+                            (64, 30002), (300, 131072), (5, 40000), (2, 262144), (3, 600000), (40, 600000), (3, 600001),
+                            (2, 40001)]
 
 
 @pytest.mark.gpu
