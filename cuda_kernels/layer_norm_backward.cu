@@ -245,7 +245,7 @@ layer_norm_weight_grads_kernel(const Acc<T>* __restrict__ partial_dw, const Acc<
 // profiling/results/h200/norm-backward-level5-probe26.log): rows of 8192, LayerNorm 72.1 -> 85.2 % of
 // copy bandwidth, RMSNorm 76.3 -> 87.5; rows of 2048, four blocks an SM, keep the one-pack-at-a-time
 // order, which is faster there (88.2 against 85.6). 16-bit rows hold one pack a thread (the same loads in
-// the other form lost 1.5-2.8 points); float64 keeps the plain order too (not measured).
+// the other form lost 0.5-2.8 points); float64 keeps the plain order too (not measured).
 template <typename T, int kVec, bool kSubtractMean>
 auto backward_kernel_for(int64_t n, int* threads) {
   constexpr int kValues = kBackwardValues<Acc<T>>;
