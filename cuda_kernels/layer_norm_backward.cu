@@ -239,6 +239,12 @@ layer_norm_weight_grads_kernel(const Acc<T>* __restrict__ partial_dw, const Acc<
 // and a block size, then launches once. LayerNorm's launchers and RMSNorm's are the same templates;
 // RMSNorm passes null for the mean, the bias gradient and db's buffer, which its kernels never touch.
 
+// Whether one block's registers hold a row of n values (layer_norm_backward_kernel), kBackwardValues a thread.
+template <typename T>
+bool backward_row_in_registers(int64_t n) {
+  return n <= int64_t{kMaxThreads} * kBackwardValues<Acc<T>>;
+}
+
 // A float32 row in registers whose block has more than half of kMaxThreads fills its SM alone (64
 // registers a thread): its threads issue both their 16-byte packs' loads before any arithmetic
 // (HeldBackwardPacks::load). Measured (H200, the backward alone,
@@ -248,12 +254,11 @@ layer_norm_weight_grads_kernel(const Acc<T>* __restrict__ partial_dw, const Acc<
 // the other form lost 0.5-2.8 points); float64 keeps the plain order too (not measured).
 template <typename T, int kVec, bool kSubtractMean>
 auto backward_kernel_for(int64_t n, int* threads) {
-  constexpr int kValues = kBackwardValues<Acc<T>>;
-  if (n > int64_t{kMaxThreads} * kValues) {
+  if (!backward_row_in_registers<T>(n)) {
     *threads = kMaxThreads;
     return layer_norm_backward_looped_kernel<T, kVec, kSubtractMean>;
   }
-  *threads = row_threads(n, kValues);
+  *threads = row_threads(n, kBackwardValues<Acc<T>>);
   if constexpr (std::is_same_v<T, float> && kVec == kVecOf<T>) {
     if (*threads > kMaxThreads / 2) return layer_norm_backward_kernel<T, kVec, kSubtractMean, true>;
   }
@@ -285,7 +290,7 @@ BackwardPlan make_backward_plan(DType dtype, int64_t rows, int64_t n) {
     // As many blocks as are resident at once: each then walks its rows without waiting for a second wave,
     // and the partial buffer has no more rows than the GPU has blocks in flight.
     const int64_t resident = std::max(blocks_per_sm, 1) * multiprocessors;
-    const bool in_registers = n <= int64_t{kMaxThreads} * kBackwardValues<Acc<T>>;
+    const bool in_registers = backward_row_in_registers<T>(n);
     // Longer rows in 16-byte packs: the cooperative grid, which reads x and dy once, when it holds at
     // least kCooperativeMinRowsAtOnce rows (or all of them) at once.
     if (!in_registers) {

@@ -84,9 +84,9 @@ struct HeldBackwardPacks {
       dy[k] = load_pack_once<T, kVec>(dy_row + pack * kVec);
       in[k] = load_pack_once<T, kVec>(x_row + pack * kVec);
       w[k] = load_pack<T, kVec>(weight + pack * kVec);
-      if (!kAllLoadsFirst) hold(k, dy[k], in[k], w[k], mean, rstd, sums);
+      if constexpr (!kAllLoadsFirst) hold(k, dy[k], in[k], w[k], mean, rstd, sums);
     }
-    if (kAllLoadsFirst) {
+    if constexpr (kAllLoadsFirst) {
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) hold(k, dy[k], in[k], w[k], mean, rstd, sums);
     }
